@@ -1,0 +1,115 @@
+#pragma once
+/// AutocastGuard: RAII over LibTorch's autocast switches, and mixprec::autocast<P>() for a policy.
+///
+///   {
+///     auto guard = mixprec::autocast<mixprec::MixedO1<at::BFloat16>>(torch::kCPU);
+///     auto y = model->forward(x);  // matmuls in bf16, reductions in fp32
+///   }                              // previous autocast state restored, cast cache cleared
+
+#include <mixprec/concepts.hpp>
+#include <mixprec/error.hpp>
+
+#include <ATen/autocast_mode.h>
+#include <c10/core/DeviceType.h>
+#include <c10/core/ScalarType.h>
+#include <torch/version.h>
+
+namespace mixprec {
+namespace detail {
+
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 4)
+#define MIXPREC_DEVICE_TYPED_AUTOCAST 1
+#else
+#define MIXPREC_DEVICE_TYPED_AUTOCAST 0
+#endif
+
+// LibTorch 2.4 replaced the per-device functions by ones taking the device type.
+struct AutocastState {
+  bool enabled;
+  c10::ScalarType dtype;
+};
+
+inline void check_autocast_device(c10::DeviceType device) {
+  MIXPREC_CHECK(device == c10::DeviceType::CPU || device == c10::DeviceType::CUDA,
+                "autocast supports the CPU and CUDA devices, not ", c10::DeviceTypeName(device));
+}
+
+inline AutocastState get_autocast_state(c10::DeviceType device) {
+#if MIXPREC_DEVICE_TYPED_AUTOCAST
+  return {at::autocast::is_autocast_enabled(device), at::autocast::get_autocast_dtype(device)};
+#else
+  if (device == c10::DeviceType::CPU) {
+    return {at::autocast::is_cpu_enabled(), at::autocast::get_autocast_cpu_dtype()};
+  }
+  return {at::autocast::is_enabled(), at::autocast::get_autocast_gpu_dtype()};
+#endif
+}
+
+inline void set_autocast_state(c10::DeviceType device, AutocastState state) {
+#if MIXPREC_DEVICE_TYPED_AUTOCAST
+  at::autocast::set_autocast_dtype(device, state.dtype);
+  at::autocast::set_autocast_enabled(device, state.enabled);
+#else
+  if (device == c10::DeviceType::CPU) {
+    at::autocast::set_autocast_cpu_dtype(state.dtype);
+    at::autocast::set_cpu_enabled(state.enabled);
+  } else {
+    at::autocast::set_autocast_gpu_dtype(state.dtype);
+    at::autocast::set_enabled(state.enabled);
+  }
+#endif
+}
+
+}  // namespace detail
+
+/// Sets autocast on `device` to (`enabled`, `dtype`) for a scope, like Python's `torch.autocast`.
+/// Nests; restores the previous state on exit, exceptions included; the outermost guard clears
+/// the cast cache. `enabled = false` turns autocast off inside the scope.
+class AutocastGuard {
+ public:
+  AutocastGuard(c10::DeviceType device, c10::ScalarType dtype, bool enabled = true)
+      : device_(device), previous_{} {
+    detail::check_autocast_device(device);
+    if (enabled) {
+      MIXPREC_CHECK(dtype == c10::ScalarType::Half || dtype == c10::ScalarType::BFloat16,
+                    "autocast casts to Half or BFloat16, not ", c10::toString(dtype));
+#if !MIXPREC_DEVICE_TYPED_AUTOCAST
+      // LibTorch 1.13's CPU autocast knows bf16 only; with Half it fails later, inside an op.
+      MIXPREC_CHECK(device != c10::DeviceType::CPU || dtype == c10::ScalarType::BFloat16,
+                    "CPU autocast in LibTorch ", TORCH_VERSION,
+                    " supports BFloat16 only: use MixedO1<at::BFloat16> on the CPU, or Half on "
+                    "a CUDA device");
+#endif
+    }
+    previous_ = detail::get_autocast_state(device);
+    // Keep the previous dtype when disabling, as Python does, so nested guards restore exactly.
+    detail::set_autocast_state(device, {enabled, enabled ? dtype : previous_.dtype});
+    at::autocast::increment_nesting();
+  }
+
+  ~AutocastGuard() {
+    if (at::autocast::decrement_nesting() == 0) {
+      at::autocast::clear_cache();
+    }
+    detail::set_autocast_state(device_, previous_);
+  }
+
+  AutocastGuard(const AutocastGuard&) = delete;
+  AutocastGuard& operator=(const AutocastGuard&) = delete;
+  AutocastGuard(AutocastGuard&&) = delete;
+  AutocastGuard& operator=(AutocastGuard&&) = delete;
+
+ private:
+  c10::DeviceType device_;
+  detail::AutocastState previous_;
+};
+
+/// The autocast state policy P needs on `device`: on with P's dtype for MixedO1, off otherwise,
+/// so that an outer autocast cannot silently lower a FullPrecision or MixedO2 computation.
+template <class P>
+[[nodiscard]] AutocastGuard autocast(c10::DeviceType device = c10::DeviceType::CPU) {
+  static_assert(require_policy<P>);
+  return AutocastGuard(device, P::low_dtype, P::autocast);
+}
+
+}  // namespace mixprec

@@ -1,0 +1,8 @@
+#pragma once
+/// mixprec: mixed-precision training for LibTorch. Include this header for everything.
+
+#include <mixprec/autocast.hpp>
+#include <mixprec/concepts.hpp>
+#include <mixprec/error.hpp>
+#include <mixprec/policy.hpp>
+#include <mixprec/version.hpp>

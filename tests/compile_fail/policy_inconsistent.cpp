@@ -1,0 +1,12 @@
+// fp32 master weights only make sense when the model itself is cast.
+// expect: master_weights requires cast_model
+#include <mixprec/autocast.hpp>
+#include <mixprec/policy.hpp>
+
+struct MastersWithoutCast : mixprec::MixedO1<at::BFloat16> {
+#ifdef MIXPREC_COMPILE_FAIL
+  static constexpr bool master_weights = true;
+#endif
+};
+
+void use() { auto guard = mixprec::autocast<MastersWithoutCast>(); }

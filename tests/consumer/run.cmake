@@ -1,0 +1,34 @@
+# cmake -DMODE=... -DSOURCE_DIR=... -DMAIN_BINARY_DIR=... -DWORK_DIR=... -DGENERATOR=...
+#       -DTorch_DIR=... -P run.cmake
+# Configures, builds and runs tests/consumer against mixprec found by MODE.
+file(REMOVE_RECURSE ${WORK_DIR})
+set(_prefix_path ${Torch_DIR})
+if(MODE STREQUAL "find_package")
+  execute_process(COMMAND ${CMAKE_COMMAND} --install ${MAIN_BINARY_DIR} --prefix ${WORK_DIR}/prefix
+                  RESULT_VARIABLE _rc)
+  if(NOT _rc EQUAL 0)
+    message(FATAL_ERROR "cmake --install failed")
+  endif()
+  list(PREPEND _prefix_path ${WORK_DIR}/prefix)
+endif()
+set(_launcher)
+find_program(_ccache ccache)
+if(_ccache)
+  set(_launcher -DCMAKE_CXX_COMPILER_LAUNCHER=${_ccache})
+endif()
+execute_process(
+  COMMAND ${CMAKE_COMMAND} -S ${SOURCE_DIR}/tests/consumer -B ${WORK_DIR}/build -G ${GENERATOR}
+          -DMODE=${MODE} -DMIXPREC_SOURCE_DIR=${SOURCE_DIR} -DTorch_DIR=${Torch_DIR}
+          "-DCMAKE_PREFIX_PATH=${_prefix_path}" ${_launcher}
+  RESULT_VARIABLE _rc)
+if(NOT _rc EQUAL 0)
+  message(FATAL_ERROR "configuring the consumer (${MODE}) failed")
+endif()
+execute_process(COMMAND ${CMAKE_COMMAND} --build ${WORK_DIR}/build RESULT_VARIABLE _rc)
+if(NOT _rc EQUAL 0)
+  message(FATAL_ERROR "building the consumer (${MODE}) failed")
+endif()
+execute_process(COMMAND ${WORK_DIR}/build/consumer RESULT_VARIABLE _rc)
+if(NOT _rc EQUAL 0)
+  message(FATAL_ERROR "the consumer (${MODE}) ran but mixprec misbehaved")
+endif()
