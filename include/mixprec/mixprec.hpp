@@ -6,3 +6,4 @@
 #include <mixprec/error.hpp>
 #include <mixprec/policy.hpp>
 #include <mixprec/version.hpp>
+#include <mixprec/scaler.hpp>

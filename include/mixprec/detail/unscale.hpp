@@ -1,0 +1,236 @@
+#pragma once
+// The gradient passes behind the scalers. On CPU with LibTorch < 2.3 there is no
+// _amp_foreach_non_finite_check_and_unscale_ kernel, and `isfinite(g).all()` reads the data
+// ~25x slower than a multiply; so the CPU passes are written here, one pass each:
+//   scale_and_check_: read `from`, write `to = from * factor`, flag a non-finite result;
+//   grad_stats:       read `from`, sum of squares (double) and non-finite flag together.
+// Elsewhere (CUDA) the fused ATen kernels do the work.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <atomic>
+#include <bit>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+namespace mixprec::detail {
+
+/// One gradient to unscale: read from `from`, write into `to` (the same tensor when in place).
+struct GradPair {
+  at::Tensor from;
+  at::Tensor to;
+};
+
+struct GradStats {
+  double sum_of_squares = 0.0;
+  bool non_finite = false;
+};
+
+inline constexpr std::int64_t kGrainSize = 1 << 15;
+
+// |v| < threshold <=> v stored as T is finite. fp16 rounds |v| >= 65520 to inf; bf16 rounds
+// floats at or above the midpoint between its largest finite value and inf (0x7f7f8000) to inf.
+template <class T>
+inline float finite_threshold() {
+  if constexpr (std::is_same_v<T, at::Half>) {
+    return 65520.0F;
+  } else if constexpr (std::is_same_v<T, at::BFloat16>) {
+    return std::bit_cast<float>(std::uint32_t{0x7f7f8000U});
+  } else {
+    return std::numeric_limits<float>::infinity();
+  }
+}
+
+// The element loop: float math for Half/BFloat16, as PyTorch's kernels do; double stays double.
+template <class In, class Out>
+bool scale_and_check_span(const In* from, Out* to, std::int64_t n, float factor) {
+  std::atomic<bool> non_finite{false};
+  at::parallel_for(0, n, kGrainSize, [&](std::int64_t begin, std::int64_t end) {
+    bool bad = false;
+    if constexpr (std::is_same_v<In, double> || std::is_same_v<Out, double>) {
+      // Rare (fp64 parameters): clarity over speed.
+      for (std::int64_t i = begin; i < end; ++i) {
+        const double v = static_cast<double>(from[i]) * static_cast<double>(factor);
+        if constexpr (std::is_same_v<Out, double>) {
+          to[i] = v;
+        } else {
+          to[i] = static_cast<Out>(static_cast<float>(v));
+        }
+        bad |= !std::isfinite(static_cast<double>(to[i]));
+      }
+    } else {
+      const float threshold = finite_threshold<Out>();
+      for (std::int64_t i = begin; i < end; ++i) {
+        const float v = static_cast<float>(from[i]) * factor;
+        to[i] = static_cast<Out>(v);
+        bad |= !(std::abs(v) < threshold);  // false for NaN too
+      }
+    }
+    if (bad) non_finite.store(true, std::memory_order_relaxed);
+  });
+  return non_finite.load(std::memory_order_relaxed);
+}
+
+template <class In>
+GradStats grad_stats_span(const In* from, std::int64_t n) {
+  std::atomic<bool> non_finite{false};
+  const std::int64_t chunks = (n + kGrainSize - 1) / kGrainSize;
+  std::vector<double> partial(static_cast<std::size_t>(chunks), 0.0);
+  at::parallel_for(0, chunks, 1, [&](std::int64_t chunk_begin, std::int64_t chunk_end) {
+    bool bad = false;
+    for (std::int64_t c = chunk_begin; c < chunk_end; ++c) {
+      const std::int64_t begin = c * kGrainSize;
+      const std::int64_t end = std::min(n, begin + kGrainSize);
+      // Four accumulators break the dependency chain; the order is fixed, so results are
+      // reproducible whatever the thread count.
+      double acc[4] = {0.0, 0.0, 0.0, 0.0};
+      std::int64_t i = begin;
+      for (; i + 4 <= end; i += 4) {
+        for (int k = 0; k < 4; ++k) {
+          const double v = static_cast<double>(from[i + k]);
+          acc[k] += v * v;
+        }
+      }
+      for (; i < end; ++i) {
+        const double v = static_cast<double>(from[i]);
+        acc[0] += v * v;
+      }
+      const double sum = (acc[0] + acc[1]) + (acc[2] + acc[3]);
+      bad |= !(sum <= std::numeric_limits<double>::max());  // any inf or NaN reaches the sum
+      partial[static_cast<std::size_t>(c)] = sum;
+    }
+    if (bad) non_finite.store(true, std::memory_order_relaxed);
+  });
+  GradStats stats;
+  for (const double p : partial) stats.sum_of_squares += p;
+  stats.non_finite = non_finite.load(std::memory_order_relaxed) ||
+                     !(stats.sum_of_squares <= std::numeric_limits<double>::max());
+  return stats;
+}
+
+// Dense tensors whose elements fill one block of memory (contiguous, transposed, permuted) are
+// processed in place as a flat span; other views (slices with gaps) go through a copy.
+inline bool is_flat(const at::Tensor& t) { return t.is_non_overlapping_and_dense(); }
+
+inline const void* flat_begin(const at::Tensor& t) {
+  // The lowest address of a dense tensor is data_ptr minus the negative-stride offsets;
+  // LibTorch forbids negative strides, so it is data_ptr itself.
+  return t.data_ptr();
+}
+
+template <class F>
+void dispatch_grad_dtype(at::ScalarType dtype, F&& f) {
+  switch (dtype) {
+    case at::kFloat: f(float{}); break;
+    case at::kDouble: f(double{}); break;
+    case at::kHalf: f(at::Half{}); break;
+    case at::kBFloat16: f(at::BFloat16{}); break;
+    default: TORCH_CHECK(false, "mixprec: unexpected gradient dtype ", dtype);
+  }
+}
+
+/// CPU: to = from * factor in one pass; true when any written value is inf or NaN.
+inline bool scale_and_check_cpu(const at::Tensor& from, const at::Tensor& to, float factor) {
+  const bool same = from.is_same(to);
+  const bool flat = is_flat(from) && (same || (is_flat(to) && from.strides() == to.strides()));
+  if (!flat) {
+    auto from_c = from.contiguous();
+    auto to_c = at::empty_like(to, at::MemoryFormat::Contiguous);
+    const bool bad = scale_and_check_cpu(from_c, to_c, factor);
+    to.copy_(to_c);
+    return bad;
+  }
+  bool bad = false;
+  const auto n = from.numel();
+  dispatch_grad_dtype(from.scalar_type(), [&](auto in_tag) {
+    using In = decltype(in_tag);
+    const auto* in = static_cast<const In*>(flat_begin(from));
+    dispatch_grad_dtype(to.scalar_type(), [&](auto out_tag) {
+      using Out = decltype(out_tag);
+      bad = scale_and_check_span(in, static_cast<Out*>(to.data_ptr()), n, factor);
+    });
+  });
+  return bad;
+}
+
+/// CPU: sum of squares and finiteness of one tensor, one read pass.
+inline GradStats grad_stats_cpu(const at::Tensor& from) {
+  const auto t = is_flat(from) ? from : from.contiguous();
+  GradStats stats;
+  dispatch_grad_dtype(t.scalar_type(), [&](auto tag) {
+    using In = decltype(tag);
+    stats = grad_stats_span(static_cast<const In*>(flat_begin(t)), t.numel());
+  });
+  return stats;
+}
+
+/// The gradient values a pass works on: a sparse gradient's values, a dense gradient itself.
+inline at::Tensor grad_values(const at::Tensor& grad) {
+  return grad.is_sparse() ? grad._values() : grad;
+}
+
+/// Unscales all pairs: to = from * inv_scale; found_inf (a float tensor on inv_scale's device)
+/// becomes 1 where any result is non-finite. One pass over the data per pair.
+inline void unscale_pairs_(const std::vector<GradPair>& pairs, const at::Tensor& inv_scale,
+                           const at::Tensor& found_inf) {
+  std::vector<at::Tensor> device_grads;
+  bool cpu_found = false;
+  float cpu_inv = 1.0F;
+  bool cpu_inv_known = false;
+  for (const auto& pair : pairs) {
+    const auto from = grad_values(pair.from);
+    const auto to = grad_values(pair.to);
+    if (from.device().is_cpu()) {
+      if (!cpu_inv_known) {
+        cpu_inv = inv_scale.to(at::kCPU).item<float>();
+        cpu_inv_known = true;
+      }
+      cpu_found |= scale_and_check_cpu(from, to, cpu_inv);
+    } else {
+      if (!from.is_same(to)) to.copy_(from);
+      device_grads.push_back(to);
+    }
+  }
+  if (cpu_found) found_inf.fill_(1.0);
+  if (device_grads.empty()) return;
+  // Per device and dtype, as the fused kernel wants one device; it ORs into found_inf.
+  while (!device_grads.empty()) {
+    const auto device = device_grads.front().device();
+    const auto dtype = device_grads.front().scalar_type();
+    std::vector<at::Tensor> group;
+    std::vector<at::Tensor> rest;
+    for (auto& g : device_grads) {
+      (g.device() == device && g.scalar_type() == dtype ? group : rest).push_back(g);
+    }
+    auto found_here = at::zeros({1}, found_inf.options().device(device)).squeeze();
+    at::_amp_foreach_non_finite_check_and_unscale_(group, found_here, inv_scale.to(device));
+    found_inf.add_(found_here.to(found_inf.device())).clamp_max_(1.0);
+    device_grads = std::move(rest);
+  }
+}
+
+/// Sum of squares of all `from` gradients and whether any is non-finite (syncs on a device).
+inline GradStats grad_stats(const std::vector<GradPair>& pairs) {
+  GradStats total;
+  std::vector<at::Tensor> device_sums;
+  for (const auto& pair : pairs) {
+    const auto from = grad_values(pair.from);
+    if (from.device().is_cpu()) {
+      const auto s = grad_stats_cpu(from);
+      total.sum_of_squares += s.sum_of_squares;
+      total.non_finite |= s.non_finite;
+    } else {
+      device_sums.push_back(from.to(at::kDouble).square().sum().to(at::kCPU));
+    }
+  }
+  for (const auto& s : device_sums) total.sum_of_squares += s.item<double>();
+  total.non_finite |= !(total.sum_of_squares <= std::numeric_limits<double>::max());
+  return total;
+}
+
+}  // namespace mixprec::detail

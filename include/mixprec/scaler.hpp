@@ -1,0 +1,507 @@
+#pragma once
+/// Loss scalers with one interface (the LossScaler concept): GradScaler (dynamic, PyTorch's
+/// algorithm and state_dict), StaticScaler (a fixed scale) and NoScaler (scale 1). All three skip
+/// an optimizer step whose gradients hold inf or NaN, so a bad step never reaches the weights.
+///
+///   mixprec::GradScaler scaler;                       // init_scale 65536, growth every 2000 steps
+///   for (auto& batch : loader) {
+///     optimizer.zero_grad();
+///     auto loss = compute_loss(batch);                // under mixprec::autocast<P>() for O1
+///     scaler.scale(loss).backward();
+///     scaler.unscale_(optimizer);                     // optional: before clipping or inspecting grads
+///     torch::nn::utils::clip_grad_norm_(model->parameters(), 1.0);
+///     if (!scaler.step(optimizer)) log_skip(scaler.get_scale());  // false: inf/NaN, step skipped
+///     scaler.update();
+///   }
+
+#include <mixprec/concepts.hpp>
+#include <mixprec/detail/unscale.hpp>
+#include <mixprec/error.hpp>
+
+#include <ATen/ATen.h>
+#include <ATen/core/Dict.h>
+#include <torch/arg.h>
+#include <torch/optim/optimizer.h>
+#include <torch/version.h>
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <unordered_map>
+#include <vector>
+
+namespace mixprec {
+
+/// Settings of GradScaler; the defaults are PyTorch's.
+struct GradScalerOptions {
+  /// The first scale; PyTorch's 2^16.
+  TORCH_ARG(double, init_scale) = 65536.0;
+  /// The scale is multiplied by this after `growth_interval` steps without inf/NaN.
+  TORCH_ARG(double, growth_factor) = 2.0;
+  /// The scale is multiplied by this after a step with inf/NaN.
+  TORCH_ARG(double, backoff_factor) = 0.5;
+  TORCH_ARG(std::int64_t, growth_interval) = 2000;
+  /// Overflowing steps tolerated before backing off (1: PyTorch; DeepSpeed and Megatron use 2).
+  /// The count refills when the scale grows, as in Megatron-LM and DeepSpeed's default.
+  TORCH_ARG(std::int64_t, hysteresis) = 1;
+  /// Bounds of the scale; PyTorch has none (0 and +inf). The scale never grows to inf.
+  TORCH_ARG(double, min_scale) = 0.0;
+  TORCH_ARG(double, max_scale) = std::numeric_limits<double>::infinity();
+  /// false: behaves as NoScaler (scale 1, inf/NaN steps still skipped), state_dict empty.
+  TORCH_ARG(bool, enabled) = true;
+  /// Unscale fp16 gradients in place. Off, as in PyTorch: only PureHalf<at::Half> needs it.
+  TORCH_ARG(bool, allow_fp16_grads) = false;
+};
+
+/// Optional parts of an unscale_ call.
+struct UnscaleOptions {
+  /// Clip the unscaled gradients to this total L2 norm, fused into the unscale pass.
+  TORCH_ARG(std::optional<double>, max_grad_norm) = std::nullopt;
+  /// Read each gradient from these parameters' .grad() (same order as the optimizer's
+  /// parameters) and write it, unscaled, into the optimizer's; for fp32 master weights.
+  TORCH_ARG(std::vector<at::Tensor>, grads_from) = {};
+};
+
+namespace detail {
+
+enum class Stage { ready, unscaled, stepped };
+
+/// The dynamic-scale state that GradScaler::update advances.
+struct ScaleState {
+  float scale;
+  std::int32_t growth_tracker;
+  std::int64_t hysteresis_tracker;
+};
+
+/// One update of the scale: PyTorch's _amp_update_scale_ (fp32 scale, int32 tracker), with
+/// hysteresis, bounds and the never-grow-to-inf guard of LibTorch >= 2.1.
+inline ScaleState next_scale(ScaleState s, bool found_inf, const GradScalerOptions& o) {
+  if (found_inf) {
+    s.growth_tracker = 0;
+    if (--s.hysteresis_tracker <= 0) {
+      const auto backed_off = static_cast<float>(static_cast<double>(s.scale) * o.backoff_factor());
+      s.scale = static_cast<float>(std::max(static_cast<double>(backed_off), o.min_scale()));
+    }
+    return s;
+  }
+  if (s.growth_tracker + 1 < o.growth_interval()) {
+    ++s.growth_tracker;
+    return s;
+  }
+  s.growth_tracker = 0;
+  s.hysteresis_tracker = o.hysteresis();
+  const auto grown = static_cast<float>(static_cast<double>(s.scale) * o.growth_factor());
+  if (std::isfinite(grown)) {
+    s.scale = static_cast<float>(std::min(static_cast<double>(grown), o.max_scale()));
+  }
+  return s;
+}
+
+inline void check_options(const GradScalerOptions& o) {
+  MIXPREC_CHECK(std::isfinite(o.init_scale()) && o.init_scale() > 0,
+                "GradScalerOptions::init_scale must be finite and > 0, got ", o.init_scale());
+  MIXPREC_CHECK(o.growth_factor() > 1 && std::isfinite(o.growth_factor()),
+                "GradScalerOptions::growth_factor must be finite and > 1, got ", o.growth_factor(),
+                " (the scale grows by it after growth_interval clean steps)");
+  MIXPREC_CHECK(o.backoff_factor() > 0 && o.backoff_factor() < 1,
+                "GradScalerOptions::backoff_factor must be in (0, 1), got ", o.backoff_factor(),
+                " (the scale shrinks by it after an overflow)");
+  MIXPREC_CHECK(o.growth_interval() >= 1 && o.growth_interval() <= std::numeric_limits<std::int32_t>::max(),
+                "GradScalerOptions::growth_interval must be >= 1, got ", o.growth_interval());
+  MIXPREC_CHECK(o.hysteresis() >= 1, "GradScalerOptions::hysteresis must be >= 1, got ",
+                o.hysteresis(), " (1 backs off at the first overflow, as PyTorch does)");
+  MIXPREC_CHECK(o.min_scale() >= 0 && o.min_scale() <= o.init_scale() &&
+                    o.init_scale() <= o.max_scale(),
+                "GradScalerOptions needs 0 <= min_scale <= init_scale <= max_scale, got ",
+                o.min_scale(), " <= ", o.init_scale(), " <= ", o.max_scale());
+}
+
+/// What the three scalers share: per-optimizer stages, the inf checks, unscale_ and step.
+class ScalerCore {
+ public:
+  /// loss * scale; the scale lives on the loss's device from the first call on.
+  at::Tensor scale(const at::Tensor& loss) {
+    MIXPREC_CHECK(loss.defined(), "scale() got an undefined tensor: pass the loss");
+    MIXPREC_CHECK(at::isFloatingType(loss.scalar_type()),
+                  "scale() needs a floating-point loss, got ", loss.scalar_type());
+    if (!scaling_) return loss;
+    if (!scale_.defined()) scale_ = at::full({}, init_scale_, loss.options().dtype(at::kFloat));
+    return loss * scale_.to(loss.device());
+  }
+
+  /// Divides the optimizer's gradients by the scale and records whether any is inf or NaN.
+  void unscale_(torch::optim::Optimizer& optimizer) { (void)unscale_(optimizer, {}); }
+
+  /// unscale_ with options; returns the total gradient norm (unscaled) when clipping.
+  std::optional<double> unscale_(torch::optim::Optimizer& optimizer, const UnscaleOptions& options) {
+    auto& entry = entries_[&optimizer];
+    MIXPREC_CHECK(entry.stage != Stage::unscaled,
+                  "unscale_() has already been called on this optimizer since the last update()");
+    MIXPREC_CHECK(entry.stage != Stage::stepped, "unscale_() is being called after step(): call it "
+                  "between backward() and step(), and update() once per iteration");
+    MIXPREC_CHECK(!scaling_ || scale_.defined(),
+                  "unscale_() before scale(loss): the gradients were never scaled; call "
+                  "scaler.scale(loss).backward() first");
+    if (options.max_grad_norm()) {
+      MIXPREC_CHECK(*options.max_grad_norm() > 0 && std::isfinite(*options.max_grad_norm()),
+                    "max_grad_norm must be finite and > 0, got ", *options.max_grad_norm());
+    }
+    auto pairs = collect_grads(optimizer, options.grads_from());
+    std::optional<double> norm;
+    if (!pairs.empty()) {
+      const at::Tensor& device_scale = scaling_ ? scale_ : at::Tensor();
+      at::Tensor found_inf = at::zeros({}, at::TensorOptions(at::kFloat).device(
+                                               scaling_ ? scale_.device() : pairs.front().from.device()));
+      norm = run_passes(pairs, options, device_scale, found_inf);
+      entry.found_inf = found_inf;
+    }
+    entry.stage = Stage::unscaled;
+    return norm;
+  }
+
+  /// Unscales if not done yet, then steps the optimizer unless its gradients hold inf or NaN.
+  /// Returns whether it stepped. The one host synchronisation of the iteration happens here.
+  bool step(torch::optim::Optimizer& optimizer) {
+    auto& entry = entries_[&optimizer];
+    MIXPREC_CHECK(entry.stage != Stage::stepped,
+                  "step() has already been called since the last update()");
+    if (entry.stage == Stage::ready) unscale_(optimizer);
+    MIXPREC_CHECK(entry.found_inf.defined(),
+                  "step() found no gradients in this optimizer: call backward() on "
+                  "scaler.scale(loss) before step()");
+    const bool finite = entry.found_inf.item<float>() == 0.0F;
+    if (finite) {
+      optimizer.step();
+    } else {
+      ++skipped_steps_;
+    }
+    entry.stage = Stage::stepped;
+    return finite;
+  }
+
+  /// The current scale (1 for NoScaler); reads a device value back.
+  double get_scale() const {
+    if (!scaling_) return 1.0;
+    return scale_.defined() ? static_cast<double>(scale_.item<float>()) : init_scale_;
+  }
+
+  /// Optimizer steps skipped because of inf or NaN, since construction.
+  std::int64_t skipped_steps() const noexcept { return skipped_steps_; }
+
+ protected:
+  ScalerCore(double init_scale, bool scaling, bool allow_fp16)
+      : init_scale_(init_scale), scaling_(scaling), allow_fp16_(allow_fp16) {}
+
+  /// The inf flags of this iteration summed over optimizers; then the stages start over.
+  at::Tensor take_found_inf(std::string_view caller) {
+    at::Tensor sum;
+    for (const auto& [optimizer, entry] : entries_) {
+      if (!entry.found_inf.defined()) continue;
+      sum = sum.defined() ? sum + entry.found_inf.to(sum.device()) : entry.found_inf;
+    }
+    MIXPREC_CHECK(sum.defined(), caller, " found no inf checks recorded in this iteration: call "
+                  "step(optimizer) (or unscale_) after scale(loss).backward(), then update()");
+    entries_.clear();
+    return sum;
+  }
+
+  /// Starts a new iteration without reading the inf checks (update(new_scale)).
+  void reset_stages() noexcept { entries_.clear(); }
+
+  at::Tensor scale_;  // 0-dim fp32, created by the first scale() on the loss's device
+  double init_scale_;
+  bool scaling_;
+  bool allow_fp16_;
+  std::int64_t skipped_steps_ = 0;
+
+ private:
+  struct Entry {
+    Stage stage = Stage::ready;
+    at::Tensor found_inf;  // undefined: no gradient seen
+  };
+
+  // Validates every gradient before touching any, so an Error leaves all state unchanged.
+  std::vector<GradPair> collect_grads(torch::optim::Optimizer& optimizer,
+                                      const std::vector<at::Tensor>& grads_from) const {
+    std::vector<at::Tensor> params;
+    for (auto& group : optimizer.param_groups()) {
+      for (auto& p : group.params()) params.push_back(p);
+    }
+    MIXPREC_CHECK(grads_from.empty() || grads_from.size() == params.size(),
+                  "UnscaleOptions::grads_from has ", grads_from.size(),
+                  " tensors but the optimizer has ", params.size(), " parameters");
+    std::vector<GradPair> pairs;
+    for (std::size_t i = 0; i < params.size(); ++i) {
+      const at::Tensor source = grads_from.empty() ? params[i] : grads_from[i];
+      const at::Tensor& grad = source.grad();
+      if (!grad.defined()) continue;
+      const auto dtype = grad.scalar_type();
+      MIXPREC_CHECK(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16 ||
+                        dtype == at::kDouble,
+                    "unscale_() found a gradient of dtype ", dtype,
+                    "; gradients must be Float, Double, Half or BFloat16");
+      if (grads_from.empty()) {
+        MIXPREC_CHECK(!scaling_ || dtype != at::kHalf || allow_fp16_,
+                      "Attempting to unscale fp16 gradients in place: dividing them in fp16 "
+                      "flushes the small values that loss scaling protects. Keep fp32 "
+                      "parameters (MixedO1), or fp32 master weights (MixedO2); for "
+                      "PureHalf<at::Half> opt in with GradScalerOptions().allow_fp16_grads(true)");
+        pairs.push_back({grad, grad});
+        continue;
+      }
+      MIXPREC_CHECK(!grad.is_sparse(), "sparse gradients cannot be copied into master weights; "
+                    "use a dense embedding (sparse=false) with MixedO2");
+      MIXPREC_CHECK(grad.sizes() == params[i].sizes(), "UnscaleOptions::grads_from[", i,
+                    "] has shape ", grad.sizes(), " but the optimizer's parameter has shape ",
+                    params[i].sizes());
+      auto& master_grad = params[i].mutable_grad();
+      if (!master_grad.defined()) master_grad = at::empty_like(params[i]);
+      pairs.push_back({grad, master_grad});
+    }
+    for (auto& pair : pairs) {
+      // Duplicate indices of an fp16 sparse gradient could overflow when summed later.
+      if (pair.from.is_sparse() && pair.from.scalar_type() == at::kHalf) {
+        pair.from = pair.to = pair.from.coalesce();
+      }
+    }
+    return pairs;
+  }
+
+  // The gradient passes: (norm and finiteness) when clipping, then one scale pass.
+  std::optional<double> run_passes(std::vector<GradPair>& pairs, const UnscaleOptions& options,
+                                   const at::Tensor& device_scale, at::Tensor& found_inf) {
+    // inv_scale = float(1 / double(scale)), as PyTorch computes it.
+    const bool host_scale = !device_scale.defined() || device_scale.device().is_cpu();
+    const double inv_host =
+        device_scale.defined() && host_scale
+            ? static_cast<double>(static_cast<float>(1.0 / static_cast<double>(device_scale.item<float>())))
+            : 1.0;
+    if (!options.max_grad_norm()) {
+      const bool in_place_identity = !device_scale.defined() &&
+          std::all_of(pairs.begin(), pairs.end(), [](const GradPair& p) { return p.from.is_same(p.to); });
+      if (in_place_identity) {  // NoScaler without clipping: a read-only check suffices
+        if (detail::grad_stats(pairs).non_finite) found_inf.fill_(1.0);
+        return std::nullopt;
+      }
+      const auto inv = host_scale ? at::full({}, inv_host, at::kFloat)
+                                  : device_scale.to(at::kDouble).reciprocal().to(at::kFloat);
+      detail::unscale_pairs_(pairs, inv, found_inf);
+      return std::nullopt;
+    }
+    // Fused clipping: the norm of the scaled gradients and their finiteness in one read pass,
+    // then one write pass with (1/scale) * clip coefficient, as PyTorch's clip_grad_norm_ does.
+    const auto stats = detail::grad_stats(pairs);
+    const double inv = host_scale ? inv_host : 1.0 / static_cast<double>(device_scale.item<float>());
+    const double norm = std::sqrt(stats.sum_of_squares) * inv;
+    if (stats.non_finite) {
+      found_inf.fill_(1.0);  // the step will be skipped: the gradients are left as they are
+      return std::numeric_limits<double>::infinity();
+    }
+    const double clip = std::min(1.0, *options.max_grad_norm() / (norm + 1e-6));
+    const auto factor = at::full({}, static_cast<float>(inv * clip), at::kFloat);
+    detail::unscale_pairs_(pairs, factor, found_inf);
+    return norm;
+  }
+
+  std::unordered_map<const torch::optim::Optimizer*, Entry> entries_;
+};
+
+}  // namespace detail
+
+/// Dynamic loss scaling, PyTorch's GradScaler in C++: same algorithm, errors and state_dict keys.
+class GradScaler : public detail::ScalerCore {
+ public:
+  explicit GradScaler(GradScalerOptions options = {})
+      : ScalerCore(options.init_scale(), options.enabled(), options.allow_fp16_grads()),
+        options_(std::move(options)),
+        growth_tracker_init_(0),
+        hysteresis_tracker_(options_.hysteresis()) {
+    detail::check_options(options_);
+  }
+
+  /// Advances the scale from this iteration's inf checks (summed over optimizers).
+  void update() {
+    auto found_inf = take_found_inf("update()");
+    if (!options_.enabled()) return;
+    if (!growth_tracker_.defined()) {
+      growth_tracker_ = at::full({}, growth_tracker_init_, scale_.options().dtype(at::kInt));
+    }
+    const bool defaults = options_.hysteresis() == 1 && options_.min_scale() == 0.0 &&
+                          std::isinf(options_.max_scale());
+    if (!scale_.device().is_cpu() && defaults) {
+      update_on_device(found_inf);
+      return;
+    }
+    // CPU (no kernel in LibTorch < 2.3), or options the kernel lacks: the host algorithm.
+    detail::ScaleState state{scale_.item<float>(), growth_tracker_.item<std::int32_t>(),
+                             hysteresis_tracker_};
+    state = detail::next_scale(state, found_inf.item<float>() != 0.0F, options_);
+    scale_.fill_(state.scale);
+    growth_tracker_.fill_(state.growth_tracker);
+    hysteresis_tracker_ = state.hysteresis_tracker;
+  }
+
+  /// Sets the scale; leaves the growth tracker alone, as PyTorch does.
+  void update(double new_scale) {
+    MIXPREC_CHECK(std::isfinite(new_scale) && new_scale > 0,
+                  "update(new_scale) needs a finite scale > 0, got ", new_scale);
+    reset_stages();
+    if (!options_.enabled()) return;
+    if (scale_.defined()) {
+      scale_.fill_(new_scale);
+    } else {
+      init_scale_ = new_scale;
+    }
+  }
+
+  bool is_enabled() const noexcept { return options_.enabled(); }
+  const GradScalerOptions& options() const noexcept { return options_; }
+
+  /// Steps since the last growth or overflow (PyTorch's _growth_tracker).
+  std::int64_t growth_tracker() const {
+    return growth_tracker_.defined() ? growth_tracker_.item<std::int32_t>() : growth_tracker_init_;
+  }
+
+  /// PyTorch's keys (scale, growth_factor, backoff_factor, growth_interval, _growth_tracker)
+  /// plus hysteresis and _hysteresis_tracker; empty when disabled.
+  c10::impl::GenericDict state_dict() const {
+    c10::impl::GenericDict dict(c10::StringType::get(), c10::AnyType::get());
+    if (!options_.enabled()) return dict;
+    dict.insert("scale", get_scale());
+    dict.insert("growth_factor", options_.growth_factor());
+    dict.insert("backoff_factor", options_.backoff_factor());
+    dict.insert("growth_interval", options_.growth_interval());
+    dict.insert("_growth_tracker", growth_tracker());
+    dict.insert("hysteresis", options_.hysteresis());
+    dict.insert("_hysteresis_tracker", hysteresis_tracker_);
+    return dict;
+  }
+
+  /// Loads a state_dict from C++ or from Python's GradScaler; validates before changing anything.
+  void load_state_dict(const c10::impl::GenericDict& dict) {
+    if (!options_.enabled()) return;
+    MIXPREC_CHECK(!dict.empty(), "load_state_dict() got an empty state dict, possibly saved "
+                  "from a disabled scaler");
+    auto options = options_;
+    options.init_scale(number(dict, "scale"))
+        .growth_factor(number(dict, "growth_factor"))
+        .backoff_factor(number(dict, "backoff_factor"))
+        .growth_interval(integer(dict, "growth_interval"));
+    if (dict.contains("hysteresis")) options.hysteresis(integer(dict, "hysteresis"));
+    options.min_scale(std::min(options.min_scale(), options.init_scale()))
+        .max_scale(std::max(options.max_scale(), options.init_scale()));
+    detail::check_options(options);
+    const auto tracker = integer(dict, "_growth_tracker");
+    MIXPREC_CHECK(tracker >= 0 && tracker < options.growth_interval(), "state dict has "
+                  "_growth_tracker ", tracker, " outside [0, growth_interval)");
+    const auto hysteresis_tracker = dict.contains("_hysteresis_tracker")
+                                        ? integer(dict, "_hysteresis_tracker")
+                                        : options.hysteresis();
+    options_ = options;
+    init_scale_ = options.init_scale();
+    growth_tracker_init_ = tracker;
+    hysteresis_tracker_ = hysteresis_tracker;
+    if (scale_.defined()) scale_.fill_(init_scale_);
+    if (growth_tracker_.defined()) growth_tracker_.fill_(tracker);
+  }
+
+ private:
+  // The fused kernel; LibTorch < 2.1 lacks its guard against growing to inf, restored here.
+  void update_on_device(const at::Tensor& found_inf) {
+#if TORCH_VERSION_MAJOR < 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR < 1)
+    const auto previous = scale_.clone();
+#endif
+    at::_amp_update_scale_(scale_, growth_tracker_, found_inf.to(scale_.device()),
+                           options_.growth_factor(), options_.backoff_factor(),
+                           options_.growth_interval());
+#if TORCH_VERSION_MAJOR < 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR < 1)
+    scale_.copy_(at::where(at::isfinite(scale_), scale_, previous));
+#endif
+  }
+
+  static double number(const c10::impl::GenericDict& dict, const char* key) {
+    MIXPREC_CHECK(dict.contains(key), "state dict lacks the key '", key, "'");
+    const auto value = dict.at(key);
+    MIXPREC_CHECK(value.isDouble() || value.isInt(), "state dict key '", key,
+                  "' must be a number, got ", value.tagKind());
+    return value.isDouble() ? value.toDouble() : static_cast<double>(value.toInt());
+  }
+
+  static std::int64_t integer(const c10::impl::GenericDict& dict, const char* key) {
+    MIXPREC_CHECK(dict.contains(key), "state dict lacks the key '", key, "'");
+    const auto value = dict.at(key);
+    MIXPREC_CHECK(value.isInt(), "state dict key '", key, "' must be an integer, got ",
+                  value.tagKind());
+    return value.toInt();
+  }
+
+  GradScalerOptions options_;
+  at::Tensor growth_tracker_;  // 0-dim int32 beside scale_ from the first update(), as the kernel wants
+  std::int64_t growth_tracker_init_;
+  std::int64_t hysteresis_tracker_;
+};
+
+/// A fixed loss scale: the scale never changes by itself; update(new_scale) sets it.
+class StaticScaler : public detail::ScalerCore {
+ public:
+  explicit StaticScaler(double scale = 1.0, bool allow_fp16_grads = false)
+      : ScalerCore(scale, true, allow_fp16_grads) {
+    MIXPREC_CHECK(std::isfinite(scale) && scale > 0, "StaticScaler needs a finite scale > 0, got ",
+                  scale);
+  }
+  /// From GradScalerOptions, as the Trainer builds scalers: init_scale is the fixed scale.
+  explicit StaticScaler(const GradScalerOptions& options)
+      : StaticScaler(options.init_scale(), options.allow_fp16_grads()) {}
+
+  /// Ends the iteration; the scale stays.
+  void update() { (void)take_found_inf("update()"); }
+
+  void update(double new_scale) {
+    MIXPREC_CHECK(std::isfinite(new_scale) && new_scale > 0,
+                  "update(new_scale) needs a finite scale > 0, got ", new_scale);
+    reset_stages();
+    if (scale_.defined()) scale_.fill_(new_scale);
+    init_scale_ = new_scale;
+  }
+
+  bool is_enabled() const noexcept { return true; }
+
+  c10::impl::GenericDict state_dict() const {
+    c10::impl::GenericDict dict(c10::StringType::get(), c10::AnyType::get());
+    dict.insert("scale", get_scale());
+    return dict;
+  }
+
+  void load_state_dict(const c10::impl::GenericDict& dict) {
+    MIXPREC_CHECK(dict.contains("scale") && (dict.at("scale").isDouble()),
+                  "StaticScaler::load_state_dict needs a 'scale' number");
+    update(dict.at("scale").toDouble());
+  }
+};
+
+/// No scaling: scale() returns the loss itself; step() still skips inf/NaN gradients.
+class NoScaler : public detail::ScalerCore {
+ public:
+  NoScaler() : ScalerCore(1.0, false, true) {}
+  /// Accepts the options the Trainer passes to every scaler; only their defaults make sense.
+  explicit NoScaler(const GradScalerOptions&) : NoScaler() {}
+
+  void update() { (void)take_found_inf("update()"); }
+  void update(double new_scale) {
+    MIXPREC_CHECK(false, "NoScaler has no scale to set (got update(", new_scale,
+                  ")); use StaticScaler or GradScaler");
+  }
+  bool is_enabled() const noexcept { return false; }
+  c10::impl::GenericDict state_dict() const {
+    return c10::impl::GenericDict(c10::StringType::get(), c10::AnyType::get());
+  }
+  /// Ignores the dict, as a disabled PyTorch GradScaler does.
+  void load_state_dict(const c10::impl::GenericDict&) {}
+};
+
+static_assert(LossScaler<GradScaler> && LossScaler<StaticScaler> && LossScaler<NoScaler>);
+
+}  // namespace mixprec

@@ -1,0 +1,68 @@
+#pragma once
+// Helpers shared by the test files.
+
+#include <torch/torch.h>
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+namespace test {
+
+/// A copy of every parameter, for before/after comparisons.
+inline std::vector<at::Tensor> snapshot(const std::vector<at::Tensor>& params) {
+  std::vector<at::Tensor> copies;
+  for (const auto& p : params) copies.push_back(p.detach().clone());
+  return copies;
+}
+
+/// Bitwise equality of two tensor lists (dtype, shape and every bit).
+inline bool identical(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b) {
+  if (a.size() != b.size()) return false;
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    if (a[i].scalar_type() != b[i].scalar_type() || !a[i].equal(b[i])) return false;
+  }
+  return true;
+}
+
+/// Largest |a - b| over two tensor lists, in fp64.
+inline double max_abs_diff(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b) {
+  double m = 0.0;
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    m = std::max(m, (a[i].to(at::kDouble) - b[i].to(at::kDouble)).abs().max().item<double>());
+  }
+  return m;
+}
+
+/// Adam's moments and step counts keyed by state object, whatever the state key type of the
+/// LibTorch version (std::string in 1.13, void* later).
+struct AdamMoments {
+  std::map<const void*, std::vector<at::Tensor>> tensors;
+  std::map<const void*, std::int64_t> steps;
+  bool operator==(const AdamMoments& other) const {
+    if (steps != other.steps || tensors.size() != other.tensors.size()) return false;
+    for (const auto& [key, value] : tensors) {
+      auto it = other.tensors.find(key);
+      if (it == other.tensors.end() || !identical(value, it->second)) return false;
+    }
+    return true;
+  }
+};
+
+inline AdamMoments adam_moments(torch::optim::Optimizer& optimizer) {
+  AdamMoments m;
+  for (auto& entry : optimizer.state()) {
+    const auto& state = static_cast<const torch::optim::AdamParamState&>(*entry.second);
+    m.tensors[&state] = {state.exp_avg().clone(), state.exp_avg_sq().clone()};
+    m.steps[&state] = state.step();
+  }
+  return m;
+}
+
+/// Writes bytes to a file under the test temporary directory; returns its path.
+inline std::string temp_path(const std::string& name) {
+  return std::string(MIXPREC_TEST_TMPDIR) + "/" + name;
+}
+
+}  // namespace test
