@@ -4,6 +4,8 @@
 #include <mixprec/autocast.hpp>
 #include <mixprec/concepts.hpp>
 #include <mixprec/error.hpp>
+#include <mixprec/master_weights.hpp>
 #include <mixprec/policy.hpp>
-#include <mixprec/version.hpp>
 #include <mixprec/scaler.hpp>
+#include <mixprec/trainer.hpp>
+#include <mixprec/version.hpp>

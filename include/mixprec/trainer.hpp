@@ -1,0 +1,427 @@
+#pragma once
+/// Trainer<P>: the training step of a precision policy, with loss scaling, fp32 master weights,
+/// accumulation, fused clipping and checkpoints.
+///
+///   auto model = std::make_shared<Net>();
+///   torch::optim::AdamW optimizer(model->parameters(), torch::optim::AdamWOptions(1e-3));
+///   mixprec::Trainer<mixprec::MixedO2<at::BFloat16>> trainer(
+///       model, optimizer, mixprec::TrainerOptions().max_grad_norm(1.0));
+///   for (auto& [x, y] : batches) {
+///     auto report = trainer.step([&] {
+///       return torch::nn::functional::cross_entropy(model->forward(trainer.cast_input(x)), y);
+///     });
+///     if (report.status == mixprec::StepStatus::skipped) log("inf/NaN: step skipped");
+///   }
+///   auto logits = trainer.evaluate([&] { return model->forward(trainer.cast_input(x_test)); });
+///   trainer.save("run.ckpt");
+
+#include <mixprec/autocast.hpp>
+#include <mixprec/concepts.hpp>
+#include <mixprec/detail/atomic_file.hpp>
+#include <mixprec/detail/model_cast.hpp>
+#include <mixprec/error.hpp>
+#include <mixprec/master_weights.hpp>
+#include <mixprec/policy.hpp>
+#include <mixprec/scaler.hpp>
+
+#include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
+#include <torch/arg.h>
+#include <torch/nn/module.h>
+#include <torch/nn/pimpl.h>
+#include <torch/optim/optimizer.h>
+#include <torch/serialize/archive.h>
+
+#include <cmath>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <ostream>
+#include <sstream>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+namespace mixprec {
+
+/// What a Trainer::step call did.
+enum class StepStatus {
+  stepped,       ///< the optimizer stepped
+  skipped,       ///< inf or NaN in the loss or gradients: no update, the scale backed off
+  accumulating,  ///< a micro-batch was added; the optimizer steps after accumulation_steps
+};
+
+/// "stepped", "skipped" or "accumulating", for logs.
+inline std::ostream& operator<<(std::ostream& out, StepStatus status) {
+  switch (status) {
+    case StepStatus::stepped: return out << "stepped";
+    case StepStatus::skipped: return out << "skipped";
+    case StepStatus::accumulating: return out << "accumulating";
+  }
+  return out << "StepStatus(" << static_cast<int>(status) << ")";
+}
+
+/// The result of one Trainer::step call.
+struct StepReport {
+  StepStatus status = StepStatus::accumulating;
+  at::Tensor loss;                   ///< the micro-batch loss, fp32, detached, unscaled
+  double scale = 1.0;                ///< the loss scale this step used
+  std::optional<double> grad_norm;   ///< total gradient norm, when clipping (max_grad_norm)
+  std::int64_t step = 0;             ///< optimizer steps so far (taken or skipped)
+  bool stepped() const noexcept { return status == StepStatus::stepped; }
+};
+
+/// Counters of a Trainer.
+struct TrainerStats {
+  std::int64_t steps = 0;          ///< optimizer steps taken or skipped
+  std::int64_t skipped_steps = 0;  ///< of which skipped for inf/NaN
+  std::int64_t micro_batches = 0;  ///< step() calls
+  double scale = 1.0;              ///< the current loss scale
+};
+
+/// Settings of a Trainer.
+struct TrainerOptions {
+  /// Micro-batches per optimizer step; their gradients are averaged.
+  TORCH_ARG(std::int64_t, accumulation_steps) = 1;
+  /// Clip the total L2 norm of the unscaled gradients to this value.
+  TORCH_ARG(std::optional<double>, max_grad_norm) = std::nullopt;
+  /// Options of the policy's scaler; an error for a policy whose scaler is NoScaler.
+  TORCH_ARG(std::optional<GradScalerOptions>, scaler) = std::nullopt;
+  /// Called after every step() with its report: steps, skips and accumulation alike.
+  TORCH_ARG(std::function<void(const StepReport&)>, on_step) = nullptr;
+};
+
+namespace detail {
+
+template <class P>
+typename P::scaler_type make_scaler(const TrainerOptions& options) {
+  using Scaler = typename P::scaler_type;
+  if constexpr (std::is_same_v<Scaler, NoScaler>) {
+    MIXPREC_CHECK(!options.scaler(), "TrainerOptions::scaler is set but ", P::name,
+                  " does not scale the loss (its scaler_type is NoScaler); derive a policy "
+                  "with `using scaler_type = mixprec::GradScaler;` to use one");
+    return Scaler();
+  } else {
+    auto scaler_options = options.scaler().value_or(GradScalerOptions());
+    // Without masters, a policy that casts the model has fp16 gradients to unscale in place.
+    if (P::cast_model && !P::master_weights) scaler_options.allow_fp16_grads(true);
+    return Scaler(scaler_options);
+  }
+}
+
+// Restores train/eval mode on scope exit.
+class TrainingModeGuard {
+ public:
+  TrainingModeGuard(torch::nn::Module& module, bool training)
+      : module_(module), was_training_(module.is_training()) {
+    module_.train(training);
+  }
+  ~TrainingModeGuard() { module_.train(was_training_); }
+  TrainingModeGuard(const TrainingModeGuard&) = delete;
+  TrainingModeGuard& operator=(const TrainingModeGuard&) = delete;
+
+ private:
+  torch::nn::Module& module_;
+  bool was_training_;
+};
+
+}  // namespace detail
+
+/// Trains `model` with `optimizer` under precision policy P (see policy.hpp).
+template <class P>
+class Trainer {
+  static_assert(require_policy<P>);
+  static_assert(LossScaler<typename P::scaler_type>,
+                "mixprec: the policy's scaler_type must satisfy mixprec::LossScaler");
+
+ public:
+  using policy = P;
+  using scaler_type = typename P::scaler_type;
+
+  /// Casts the model as P says and, for MixedO2, rebinds the optimizer to fp32 master weights.
+  /// The model must be fp32 and the optimizer built on its parameters, before any step.
+  Trainer(std::shared_ptr<torch::nn::Module> model, torch::optim::Optimizer& optimizer,
+          TrainerOptions options = {})
+      : model_(std::move(model)),
+        optimizer_(&optimizer),
+        options_(std::move(options)),
+        scaler_(detail::make_scaler<P>(options_)) {
+    MIXPREC_CHECK(model_ != nullptr, "Trainer got a null model");
+    MIXPREC_CHECK(options_.accumulation_steps() >= 1,
+                  "TrainerOptions::accumulation_steps must be >= 1, got ",
+                  options_.accumulation_steps());
+    if (options_.max_grad_norm()) {
+      const double norm = *options_.max_grad_norm();
+      MIXPREC_CHECK(norm > 0 && std::isfinite(norm),
+                    "TrainerOptions::max_grad_norm must be finite and > 0, got ", norm);
+    }
+    const auto named = model_->named_parameters();
+    MIXPREC_CHECK(named.size() > 0, "the model has no parameters: nothing to train");
+    for (const auto& item : named) {
+      const auto dtype = item.value().scalar_type();
+      MIXPREC_CHECK(!at::isFloatingType(dtype) || dtype == at::kFloat, "parameter '", item.key(),
+                    "' is ", dtype, ", but Trainer<", P::name, "> expects an fp32 model and "
+                    "casts it itself: build the model in fp32 (drop the ->to(", dtype, "))");
+    }
+    const auto params = model_->parameters();
+    if constexpr (P::master_weights) {
+      MasterWeights::check_rebindable(params, optimizer);
+    } else {
+      MasterWeights::check_params_of(params, optimizer);
+    }
+    device_type_ = params.front().device().type();
+    // All checks passed: from here on the model and optimizer change.
+    if constexpr (P::cast_model) {
+      std::vector<at::Tensor> fp32_values;
+      if constexpr (P::master_weights) {
+        for (const auto& p : params) fp32_values.push_back(p.detach().clone());
+      }
+      detail::cast_model(*model_, P::low_dtype, P::keep_norm_fp32);
+      if constexpr (P::master_weights) masters_.emplace(params, fp32_values, optimizer);
+    }
+  }
+
+  /// For a ModuleHolder such as torch::nn::Sequential.
+  template <class Impl>
+  Trainer(torch::nn::ModuleHolder<Impl>& model, torch::optim::Optimizer& optimizer,
+          TrainerOptions options = {})
+      : Trainer(std::static_pointer_cast<torch::nn::Module>(model.ptr()), optimizer,
+                std::move(options)) {}
+
+  /// One micro-batch: runs loss_fn (the forward pass, returning a scalar loss) under the
+  /// policy's autocast, backpropagates the scaled loss, and every accumulation_steps calls
+  /// unscales, clips, steps (or skips on inf/NaN) and updates the scale.
+  template <class LossFn>
+  StepReport step(LossFn&& loss_fn) {
+    at::Tensor loss;
+    {
+      auto guard = autocast<P>(device_type_);
+      loss = std::invoke(std::forward<LossFn>(loss_fn));
+    }
+    MIXPREC_CHECK(loss.defined(), "loss_fn returned an undefined tensor: return the loss");
+    MIXPREC_CHECK(loss.numel() == 1, "loss_fn must return a scalar loss, got shape ",
+                  loss.sizes(), ": reduce it, e.g. with .mean()");
+    MIXPREC_CHECK(at::isFloatingType(loss.scalar_type()), "loss_fn must return a floating-point "
+                  "loss, got ", loss.scalar_type());
+    MIXPREC_CHECK(loss.requires_grad(), "the loss does not require grad: compute it from the "
+                  "model's output inside loss_fn, not under NoGradGuard");
+    if (pending_ == 0) zero_grads();
+    // fp32 before scaling: a bf16/fp16 loss times 65536 loses digits or overflows.
+    const auto loss32 = loss.to(at::kFloat).reshape({});
+    const auto n = options_.accumulation_steps();
+    const auto to_backprop = n > 1 ? loss32 / static_cast<double>(n) : loss32;
+    StepReport report;
+    report.scale = scaler_.get_scale();
+    scaler_.scale(to_backprop).backward();
+    report.loss = loss32.detach();
+    ++stats_.micro_batches;
+    if (++pending_ < n) {
+      report.step = stats_.steps;
+      notify(report);
+      return report;
+    }
+    pending_ = 0;
+    UnscaleOptions unscale;
+    unscale.max_grad_norm(options_.max_grad_norm());
+    if (masters_) unscale.grads_from(masters_->model_params());
+    report.grad_norm = scaler_.unscale_(*optimizer_, unscale);
+    const bool stepped = scaler_.step(*optimizer_);
+    scaler_.update();
+    if (stepped && masters_) masters_->copy_to_model();
+    ++stats_.steps;
+    if (!stepped) ++stats_.skipped_steps;
+    report.status = stepped ? StepStatus::stepped : StepStatus::skipped;
+    report.step = stats_.steps;
+    notify(report);
+    return report;
+  }
+
+  /// Runs `forward` in eval mode, without grad, in the policy's precision; restores the mode.
+  template <class Forward>
+  auto evaluate(Forward&& forward) {
+    at::NoGradGuard no_grad;
+    detail::TrainingModeGuard mode(*model_, /*training=*/false);
+    auto guard = autocast<P>(device_type_);
+    return std::invoke(std::forward<Forward>(forward));
+  }
+
+  /// A batch in the policy's compute dtype: Low for MixedO2/PureHalf; unchanged for O0/O1 and
+  /// for integer tensors (token ids, labels).
+  at::Tensor cast_input(const at::Tensor& x) const {
+    if constexpr (!P::cast_model) {
+      return x;
+    } else {
+      return x.defined() && at::isFloatingType(x.scalar_type()) ? x.to(P::low_dtype) : x;
+    }
+  }
+
+  scaler_type& scaler() noexcept { return scaler_; }
+  const scaler_type& scaler() const noexcept { return scaler_; }
+  torch::nn::Module& model() noexcept { return *model_; }
+  torch::optim::Optimizer& optimizer() noexcept { return *optimizer_; }
+  const TrainerOptions& options() const noexcept { return options_; }
+
+  /// The fp32 master weights (MixedO2), in the order of model->parameters(); empty otherwise.
+  std::vector<at::Tensor> master_weights() const {
+    return masters_ ? masters_->masters() : std::vector<at::Tensor>{};
+  }
+
+  TrainerStats stats() const {
+    auto s = stats_;
+    s.scale = scaler_.get_scale();
+    return s;
+  }
+
+  /// Writes model, optimizer, scaler, master weights, counters and the CPU RNG state to
+  /// `path` atomically. Call between optimizer steps, not in the middle of an accumulation.
+  void save(const std::string& path) const {
+    MIXPREC_CHECK(pending_ == 0, "save() in the middle of an accumulation (", pending_, " of ",
+                  options_.accumulation_steps(), " micro-batches): save after a step");
+    torch::serialize::OutputArchive archive;
+    archive.write("mixprec.policy", c10::IValue(std::string(P::name)));
+    archive.write("mixprec.counters",
+                  at::tensor({stats_.steps, stats_.skipped_steps, stats_.micro_batches}, at::kLong));
+    for (const auto& item : model_->named_parameters()) {
+      archive.write("model." + item.key(), item.value().detach());
+    }
+    for (const auto& item : model_->named_buffers()) {
+      archive.write("model." + item.key(), item.value(), /*is_buffer=*/true);
+    }
+    const auto masters = master_weights();
+    for (std::size_t i = 0; i < masters.size(); ++i) {
+      archive.write("masters." + std::to_string(i), masters[i].detach());
+    }
+    torch::serialize::OutputArchive optimizer_archive;
+    optimizer_->save(optimizer_archive);
+    archive.write("optimizer", optimizer_archive);
+    archive.write("scaler", c10::IValue(scaler_.state_dict()));
+    archive.write("rng.cpu", cpu_rng_state());
+    detail::write_atomically(path, [&](const std::string& temporary) { archive.save_to(temporary); });
+  }
+
+  /// Restores a checkpoint written by save() of a Trainer of the same policy and model.
+  /// A missing, truncated or foreign file throws mixprec::Error and changes nothing.
+  void load(const std::string& path) {
+    torch::serialize::InputArchive archive;
+    try {
+      archive.load_from(path);
+    } catch (const c10::Error& e) {
+      detail::fail("cannot read checkpoint '", path, "' (missing, truncated or not a "
+                   "checkpoint): ", e.what_without_backtrace());
+    }
+    c10::IValue policy_name;
+    MIXPREC_CHECK(archive.try_read("mixprec.policy", policy_name) && policy_name.isString(),
+                  "'", path, "' is not a mixprec checkpoint (no policy recorded)");
+    MIXPREC_CHECK(policy_name.toStringRef() == P::name, "checkpoint '", path, "' was written "
+                  "by Trainer<", policy_name.toStringRef(), ">, this is Trainer<", P::name,
+                  ">: load it with the same policy");
+    try {
+      load_checked(archive, path);
+    } catch (const c10::Error& e) {
+      detail::fail("checkpoint '", path, "' does not fit this trainer: ",
+                   e.what_without_backtrace());
+    }
+  }
+
+ private:
+  void zero_grads() {
+    model_->zero_grad();
+    if (masters_) optimizer_->zero_grad();
+  }
+
+  void notify(const StepReport& report) const {
+    if (options_.on_step()) options_.on_step()(report);
+  }
+
+  static at::Tensor cpu_rng_state() {
+    auto generator = at::detail::getDefaultCPUGenerator();
+    std::lock_guard<std::mutex> lock(generator.mutex());
+    return generator.get_state();
+  }
+
+  static at::Tensor read_tensor(torch::serialize::InputArchive& archive, const std::string& key,
+                                const at::Tensor& like, bool is_buffer) {
+    at::Tensor value;
+    MIXPREC_CHECK(archive.try_read(key, value, is_buffer), "the checkpoint lacks '", key, "'");
+    MIXPREC_CHECK(value.sizes() == like.sizes() && value.scalar_type() == like.scalar_type(),
+                  "the checkpoint's '", key, "' is ", value.scalar_type(), value.sizes(),
+                  ", the trainer's ", like.scalar_type(), like.sizes());
+    return value;
+  }
+
+  // Reads everything into temporaries first; assigns only when all of it is there and fits.
+  void load_checked(torch::serialize::InputArchive& archive, const std::string& path) {
+    at::Tensor counters;
+    MIXPREC_CHECK(archive.try_read("mixprec.counters", counters) && counters.numel() == 3,
+                  "'", path, "' lacks the step counters");
+    std::vector<std::pair<at::Tensor, at::Tensor>> assignments;
+    for (const auto& item : model_->named_parameters()) {
+      assignments.emplace_back(item.value(),
+                               read_tensor(archive, "model." + item.key(), item.value(), false));
+    }
+    for (const auto& item : model_->named_buffers()) {
+      assignments.emplace_back(item.value(),
+                               read_tensor(archive, "model." + item.key(), item.value(), true));
+    }
+    const auto masters = master_weights();
+    std::vector<at::Tensor> master_values;
+    for (std::size_t i = 0; i < masters.size(); ++i) {
+      master_values.push_back(read_tensor(archive, "masters." + std::to_string(i), masters[i], false));
+    }
+    c10::IValue scaler_state;
+    MIXPREC_CHECK(archive.try_read("scaler", scaler_state) && scaler_state.isGenericDict(),
+                  "'", path, "' lacks the scaler state");
+    at::Tensor rng;
+    MIXPREC_CHECK(archive.try_read("rng.cpu", rng), "'", path, "' lacks the RNG state");
+    torch::serialize::InputArchive optimizer_archive;
+    MIXPREC_CHECK(archive.try_read("optimizer", optimizer_archive), "'", path,
+                  "' lacks the optimizer state");
+    auto scaler = detail::make_scaler<P>(options_);  // validates the state before any change
+    scaler.load_state_dict(scaler_state.toGenericDict());
+
+    // The optimizer is the one part that loads in place: keep a copy to roll back to.
+    std::stringstream backup;
+    {
+      torch::serialize::OutputArchive current;
+      optimizer_->save(current);
+      current.save_to(backup);
+    }
+    try {
+      optimizer_->load(optimizer_archive);
+    } catch (...) {
+      torch::serialize::InputArchive previous;
+      previous.load_from(backup);
+      optimizer_->load(previous);
+      throw;
+    }
+    at::NoGradGuard no_grad;
+    for (auto& [target, value] : assignments) target.copy_(value);
+    if (masters_) {
+      for (std::size_t i = 0; i < master_values.size(); ++i) masters[i].copy_(master_values[i]);
+    }
+    scaler_ = std::move(scaler);
+    auto generator = at::detail::getDefaultCPUGenerator();
+    {
+      std::lock_guard<std::mutex> lock(generator.mutex());
+      generator.set_state(rng);
+    }
+    stats_.steps = counters[0].item<std::int64_t>();
+    stats_.skipped_steps = counters[1].item<std::int64_t>();
+    stats_.micro_batches = counters[2].item<std::int64_t>();
+    pending_ = 0;
+  }
+
+  std::shared_ptr<torch::nn::Module> model_;
+  torch::optim::Optimizer* optimizer_;
+  TrainerOptions options_;
+  scaler_type scaler_;
+  std::optional<MasterWeights> masters_;
+  c10::DeviceType device_type_ = c10::DeviceType::CPU;
+  TrainerStats stats_;
+  std::int64_t pending_ = 0;  // micro-batches accumulated since the last optimizer step
+};
+
+}  // namespace mixprec

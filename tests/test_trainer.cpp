@@ -1,0 +1,423 @@
+// Trainer<P>: casting and master weights per policy, skipping, accumulation, exact dyadic
+// updates, norm layers, bad input, checkpoints.
+#include <mixprec/mixprec.hpp>
+
+#include "support.hpp"
+
+#include <torch/torch.h>
+
+#include <doctest/doctest.h>
+
+#include <cstdio>
+#include <fstream>
+#include <limits>
+
+namespace mp = mixprec;
+
+namespace {
+
+// MixedO2<BFloat16> with dynamic scaling, as a user would derive it.
+struct ScaledO2 : mp::MixedO2<at::BFloat16> {
+  static constexpr std::string_view name = "ScaledO2";
+  using scaler_type = mp::GradScaler;
+};
+
+struct Net : torch::nn::Module {
+  Net() {
+    fc1 = register_module("fc1", torch::nn::Linear(16, 32));
+    norm = register_module("norm", torch::nn::BatchNorm1d(32));
+    fc2 = register_module("fc2", torch::nn::Linear(32, 4));
+    drop = register_module("drop", torch::nn::Dropout(0.1));
+  }
+  at::Tensor forward(const at::Tensor& x) {
+    return fc2->forward(drop->forward(torch::relu(norm->forward(fc1->forward(x)))));
+  }
+  torch::nn::Linear fc1{nullptr}, fc2{nullptr};
+  torch::nn::BatchNorm1d norm{nullptr};
+  torch::nn::Dropout drop{nullptr};
+};
+
+struct Task {
+  at::Tensor x, y;
+  explicit Task(std::int64_t n = 256) {
+    torch::manual_seed(1);
+    x = torch::randn({n, 16});
+    y = (x.slice(1, 0, 4).argmax(1));  // a learnable rule
+  }
+};
+
+template <class P>
+auto loss_of(mp::Trainer<P>& trainer, const std::shared_ptr<Net>& net, const at::Tensor& x,
+             const at::Tensor& y) {
+  return [&trainer, net, x, y] {
+    return torch::nn::functional::cross_entropy(net->forward(trainer.cast_input(x)), y);
+  };
+}
+
+}  // namespace
+
+TEST_CASE_TEMPLATE("every policy trains: the loss goes down, dtypes are as the policy says", P,
+                   mp::FullPrecision, mp::MixedO1<at::BFloat16>, mp::MixedO2<at::BFloat16>,
+                   mp::PureHalf<at::BFloat16>, ScaledO2) {
+  torch::manual_seed(0);
+  auto net = std::make_shared<Net>();
+  torch::optim::Adam adam(net->parameters(), torch::optim::AdamOptions(1e-2));
+  mp::Trainer<P> trainer(net, adam);
+  const Task task;
+
+  const auto w = net->fc1->weight;
+  const auto bn = net->norm->weight;
+  if constexpr (P::cast_model) {
+    CHECK(w.scalar_type() == at::kBFloat16);
+    CHECK(bn.scalar_type() == (P::keep_norm_fp32 ? at::kFloat : at::kBFloat16));
+    CHECK(net->norm->running_mean.scalar_type() == (P::keep_norm_fp32 ? at::kFloat : at::kBFloat16));
+  } else {
+    CHECK(w.scalar_type() == at::kFloat);
+  }
+  CHECK(trainer.master_weights().size() == (P::master_weights ? net->parameters().size() : 0U));
+  for (const auto& m : trainer.master_weights()) CHECK(m.scalar_type() == at::kFloat);
+
+  double first = 0, last = 0;
+  for (int epoch = 0; epoch < 30; ++epoch) {
+    for (std::int64_t b = 0; b < 256; b += 64) {
+      auto x = task.x.slice(0, b, b + 64), y = task.y.slice(0, b, b + 64);
+      const auto report = trainer.step(loss_of(trainer, net, x, y));
+      CHECK(report.status == mp::StepStatus::stepped);
+      CHECK(report.loss.scalar_type() == at::kFloat);
+      if (epoch == 0 && b == 0) first = report.loss.template item<double>();
+      last = report.loss.template item<double>();
+    }
+  }
+  CHECK(last < 0.5 * first);
+  CHECK(trainer.stats().steps == 120);
+  CHECK(trainer.stats().skipped_steps == 0);
+
+  const auto logits = trainer.evaluate([&] { return net->forward(trainer.cast_input(task.x)); });
+  CHECK_FALSE(logits.requires_grad());
+  CHECK(net->is_training());  // evaluate restored the mode
+  const auto accuracy = (logits.argmax(1) == task.y).to(at::kFloat).mean().template item<double>();
+  CHECK(accuracy > 0.8);
+  CHECK(logits.scalar_type() == (P::cast_model ? at::kBFloat16 : P::autocast ? at::kBFloat16 : at::kFloat));
+}
+
+TEST_CASE_TEMPLATE("inf or NaN in the loss skips the step and touches nothing", P, mp::FullPrecision,
+                   mp::MixedO1<at::BFloat16>, mp::MixedO2<at::BFloat16>,
+                   mp::PureHalf<at::BFloat16>, ScaledO2) {
+  torch::manual_seed(0);
+  auto net = std::make_shared<Net>();
+  torch::optim::Adam adam(net->parameters(), torch::optim::AdamOptions(1e-2));
+  std::vector<mp::StepStatus> seen;
+  mp::Trainer<P> trainer(net, adam, mp::TrainerOptions().on_step([&](const mp::StepReport& r) {
+    seen.push_back(r.status);
+  }));
+  const Task task;
+  auto x = task.x.slice(0, 0, 64), y = task.y.slice(0, 0, 64);
+  REQUIRE(trainer.step(loss_of(trainer, net, x, y)).stepped());
+  const auto params = test::snapshot(net->parameters());
+  const auto masters = test::snapshot(trainer.master_weights());
+  const auto moments = test::adam_moments(adam);
+  const double scale = trainer.stats().scale;
+  for (const float bad : {std::numeric_limits<float>::infinity(), std::numeric_limits<float>::quiet_NaN()}) {
+    const auto report = trainer.step([&] {
+      return torch::nn::functional::cross_entropy(net->forward(trainer.cast_input(x)), y) * bad;
+    });
+    CHECK(report.status == mp::StepStatus::skipped);
+  }
+  CHECK(test::identical(test::snapshot(net->parameters()), params));
+  CHECK(test::identical(test::snapshot(trainer.master_weights()), masters));
+  CHECK(test::adam_moments(adam) == moments);
+  CHECK(trainer.stats().skipped_steps == 2);
+  CHECK(trainer.stats().scale == (std::is_same_v<P, ScaledO2> ? scale / 4 : 1.0));
+  CHECK(seen == std::vector<mp::StepStatus>{mp::StepStatus::stepped, mp::StepStatus::skipped,
+                                            mp::StepStatus::skipped});
+  // And training goes on normally afterwards.
+  CHECK(trainer.step(loss_of(trainer, net, x, y)).stepped());
+}
+
+TEST_CASE("k accumulated micro-batches equal one k-times larger batch") {
+  const Task task;
+  auto make = [] {
+    torch::manual_seed(3);
+    return torch::nn::Sequential(torch::nn::Linear(16, 8), torch::nn::Tanh(), torch::nn::Linear(8, 4));
+  };
+  auto accumulated = make();
+  auto whole = make();
+  torch::optim::SGD opt_a(accumulated->parameters(), torch::optim::SGDOptions(0.1));
+  torch::optim::SGD opt_w(whole->parameters(), torch::optim::SGDOptions(0.1));
+  mp::Trainer<mp::FullPrecision> ta(accumulated, opt_a, mp::TrainerOptions().accumulation_steps(4));
+  mp::Trainer<mp::FullPrecision> tw(whole, opt_w);
+  for (int step = 0; step < 3; ++step) {
+    for (std::int64_t k = 0; k < 4; ++k) {
+      const auto b = step * 64 + k * 16;
+      const auto r = ta.step([&] {
+        return torch::nn::functional::cross_entropy(accumulated->forward(task.x.slice(0, b, b + 16)),
+                                                    task.y.slice(0, b, b + 16));
+      });
+      CHECK(r.status == (k < 3 ? mp::StepStatus::accumulating : mp::StepStatus::stepped));
+    }
+    tw.step([&] {
+      return torch::nn::functional::cross_entropy(whole->forward(task.x.slice(0, step * 64, step * 64 + 64)),
+                                                  task.y.slice(0, step * 64, step * 64 + 64));
+    });
+  }
+  CHECK(test::max_abs_diff(accumulated->parameters(), whole->parameters()) < 1e-6);
+  CHECK(ta.stats().steps == 3);
+  CHECK(ta.stats().micro_batches == 12);
+}
+
+TEST_CASE("dyadic arithmetic: fp32 masters keep the updates that bf16 weights round away") {
+  // w = 1, loss = w * 2, SGD lr 2^-10: each step subtracts 2^-9 exactly. 1 - 2^-9 is a tie
+  // between two bf16 values and rounds to 1: without masters the weight never moves.
+  auto run = [](auto policy_tag, int steps) {
+    using P = decltype(policy_tag);
+    auto lin = torch::nn::Linear(torch::nn::LinearOptions(1, 1).bias(false));
+    torch::NoGradGuard{}, lin->weight.data().fill_(1.0);
+    torch::optim::SGD sgd(lin->parameters(), torch::optim::SGDOptions(1.0 / 1024));
+    mp::Trainer<P> trainer(lin, sgd);
+    const auto x = torch::full({1, 1}, 2.0);
+    for (int i = 0; i < steps; ++i) {
+      trainer.step([&] { return lin->forward(trainer.cast_input(x)).sum(); });
+    }
+    return std::make_pair(lin->weight.to(at::kDouble).item<double>(),
+                          P::master_weights ? trainer.master_weights()[0].template item<double>() : 0.0);
+  };
+  const auto [o2_model_1, o2_master_1] = run(mp::MixedO2<at::BFloat16>{}, 1);
+  CHECK(o2_master_1 == 1.0 - std::ldexp(1.0, -9));
+  CHECK(o2_model_1 == 1.0);  // the tie rounds to even
+  const auto [o2_model_2, o2_master_2] = run(mp::MixedO2<at::BFloat16>{}, 2);
+  CHECK(o2_master_2 == 1.0 - std::ldexp(1.0, -8));
+  CHECK(o2_model_2 == 1.0 - std::ldexp(1.0, -8));  // now representable: the model follows
+  const auto [o3_model, unused] = run(mp::PureHalf<at::BFloat16>{}, 8);
+  CHECK(o3_model == 1.0);  // eight updates lost
+  const auto [o0_model, unused0] = run(mp::FullPrecision{}, 8);
+  CHECK(o0_model == 1.0 - 8 * std::ldexp(1.0, -9));
+}
+
+TEST_CASE("Trainer<FullPrecision> computes exactly what the hand-written loop does") {
+  const Task task;
+  auto make = [] {
+    torch::manual_seed(4);
+    return torch::nn::Sequential(torch::nn::Linear(16, 8), torch::nn::ReLU(), torch::nn::Linear(8, 4));
+  };
+  auto by_hand = make();
+  auto by_trainer = make();
+  torch::optim::Adam opt_h(by_hand->parameters(), torch::optim::AdamOptions(1e-2));
+  torch::optim::Adam opt_t(by_trainer->parameters(), torch::optim::AdamOptions(1e-2));
+  mp::Trainer<mp::FullPrecision> trainer(by_trainer, opt_t);
+  for (std::int64_t b = 0; b < 256; b += 32) {
+    auto x = task.x.slice(0, b, b + 32), y = task.y.slice(0, b, b + 32);
+    opt_h.zero_grad();
+    torch::nn::functional::cross_entropy(by_hand->forward(x), y).backward();
+    opt_h.step();
+    trainer.step([&] { return torch::nn::functional::cross_entropy(by_trainer->forward(x), y); });
+  }
+  CHECK(test::identical(by_hand->parameters(), by_trainer->parameters()));
+}
+
+TEST_CASE("several models and losses with one optimizer") {
+  torch::manual_seed(6);
+  auto encoder = torch::nn::Linear(16, 8);
+  auto head_a = torch::nn::Linear(8, 4);
+  auto head_b = torch::nn::Linear(8, 1);
+  auto all = std::make_shared<torch::nn::Module>();
+  all->register_module("encoder", encoder);
+  all->register_module("head_a", head_a);
+  all->register_module("head_b", head_b);
+  torch::optim::SGD sgd(all->parameters(), torch::optim::SGDOptions(0.05));
+  mp::Trainer<mp::MixedO2<at::BFloat16>> trainer(all, sgd, mp::TrainerOptions().max_grad_norm(5.0));
+  const Task task;
+  double first = 0, last = 0;
+  for (int i = 0; i < 60; ++i) {
+    auto x = task.x.slice(0, (i % 4) * 64, (i % 4) * 64 + 64), y = task.y.slice(0, (i % 4) * 64, (i % 4) * 64 + 64);
+    const auto r = trainer.step([&] {
+      auto h = torch::relu(encoder->forward(trainer.cast_input(x)));
+      auto classification = torch::nn::functional::cross_entropy(head_a->forward(h), y);
+      auto regression = torch::mse_loss(head_b->forward(h).squeeze(1).to(at::kFloat), y.to(at::kFloat));
+      return classification + 0.1 * regression;
+    });
+    REQUIRE(r.stepped());
+    REQUIRE(r.grad_norm.has_value());
+    if (i == 0) first = r.loss.item<double>();
+    last = r.loss.item<double>();
+  }
+  CHECK(last < first);
+}
+
+TEST_CASE("norm layers under MixedO2: BatchNorm stays fp32, LayerNorm and GroupNorm run in bf16") {
+  torch::manual_seed(8);
+  auto model = torch::nn::Sequential(
+      torch::nn::Conv2d(torch::nn::Conv2dOptions(2, 4, 3).padding(1)), torch::nn::BatchNorm2d(4),
+      torch::nn::GroupNorm(2, 4), torch::nn::Flatten(), torch::nn::Linear(4 * 6 * 6, 8),
+      torch::nn::LayerNorm(torch::nn::LayerNormOptions({8})), torch::nn::BatchNorm1d(8),
+      torch::nn::Linear(8, 3));
+  torch::optim::SGD sgd(model->parameters(), torch::optim::SGDOptions(0.01));
+  mp::Trainer<mp::MixedO2<at::BFloat16>> trainer(model, sgd);
+  for (const auto& item : model->named_parameters()) {
+    const bool batch_norm = item.key().rfind("1.", 0) == 0 || item.key().rfind("6.", 0) == 0;
+    CAPTURE(item.key());
+    CHECK(item.value().scalar_type() == (batch_norm ? at::kFloat : at::kBFloat16));
+  }
+  const auto x = torch::randn({5, 2, 6, 6});
+  const auto y = torch::tensor({0, 1, 2, 0, 1}, at::kLong);
+  const auto before = test::snapshot(trainer.master_weights());
+  const auto report = trainer.step([&] {
+    return torch::nn::functional::cross_entropy(model->forward(trainer.cast_input(x)), y);
+  });
+  CHECK(report.stepped());
+  const auto after = trainer.master_weights();
+  for (std::size_t i = 0; i < after.size(); ++i) CHECK_FALSE(after[i].equal(before[i]));
+}
+
+TEST_CASE("bad input is a mixprec::Error that leaves model and optimizer untouched") {
+  torch::manual_seed(9);
+  auto net = std::make_shared<Net>();
+  torch::optim::Adam adam(net->parameters(), torch::optim::AdamOptions(1e-2));
+  const auto original = test::snapshot(net->parameters());
+  using O2 = mp::Trainer<mp::MixedO2<at::BFloat16>>;
+
+  CHECK_THROWS_WITH_AS(O2(net, adam, mp::TrainerOptions().accumulation_steps(0)),
+                       doctest::Contains("accumulation_steps"), mp::Error);
+  CHECK_THROWS_WITH_AS(O2(net, adam, mp::TrainerOptions().max_grad_norm(0.0)),
+                       doctest::Contains("max_grad_norm"), mp::Error);
+  CHECK_THROWS_WITH_AS(O2(net, adam, mp::TrainerOptions().max_grad_norm(-1.0)),
+                       doctest::Contains("max_grad_norm"), mp::Error);
+  CHECK_THROWS_WITH_AS(O2(net, adam, mp::TrainerOptions().scaler(mp::GradScalerOptions())),
+                       doctest::Contains("NoScaler"), mp::Error);
+  CHECK_THROWS_WITH_AS(O2(std::make_shared<torch::nn::Module>(), adam),
+                       doctest::Contains("no parameters"), mp::Error);
+  auto stranger = torch::zeros({3}, torch::requires_grad());
+  torch::optim::SGD foreign({stranger}, torch::optim::SGDOptions(0.1));
+  CHECK_THROWS_WITH_AS(O2(net, foreign), doctest::Contains("not a parameter of the model"), mp::Error);
+  {
+    auto other = std::make_shared<Net>();
+    torch::optim::Adam used(other->parameters(), torch::optim::AdamOptions(1e-2));
+    torch::nn::functional::cross_entropy(other->forward(torch::randn({4, 16})),
+                                         torch::zeros({4}, at::kLong)).backward();
+    used.step();
+    const auto other_params = test::snapshot(other->parameters());
+    CHECK_THROWS_WITH_AS(O2(other, used), doctest::Contains("already has state"), mp::Error);
+    CHECK(test::identical(test::snapshot(other->parameters()), other_params));
+  }
+  {
+    auto cast = std::make_shared<Net>();
+    cast->to(at::kBFloat16);
+    torch::optim::SGD sgd(cast->parameters(), torch::optim::SGDOptions(0.1));
+    CHECK_THROWS_WITH_AS(O2(cast, sgd), doctest::Contains("expects an fp32 model"), mp::Error);
+  }
+  CHECK(test::identical(test::snapshot(net->parameters()), original));
+  CHECK(net->fc1->weight.scalar_type() == at::kFloat);
+
+  O2 trainer(net, adam);
+  const auto x = torch::randn({8, 16});
+  const auto y = torch::zeros({8}, at::kLong);
+  REQUIRE(trainer.step(loss_of(trainer, net, x, y)).stepped());
+  const auto params = test::snapshot(net->parameters());
+  const auto masters = test::snapshot(trainer.master_weights());
+  const auto moments = test::adam_moments(adam);
+  CHECK_THROWS_WITH_AS(trainer.step([&] { return net->forward(trainer.cast_input(x)); }),
+                       doctest::Contains("scalar loss"), mp::Error);
+  CHECK_THROWS_WITH_AS(trainer.step([] { return at::Tensor(); }), doctest::Contains("undefined"),
+                       mp::Error);
+  CHECK_THROWS_WITH_AS(trainer.step([] { return torch::ones({}, at::kLong); }),
+                       doctest::Contains("floating-point"), mp::Error);
+  CHECK_THROWS_WITH_AS(trainer.step([] { return torch::ones({}); }),
+                       doctest::Contains("does not require grad"), mp::Error);
+  CHECK(test::identical(test::snapshot(net->parameters()), params));
+  CHECK(test::identical(test::snapshot(trainer.master_weights()), masters));
+  CHECK(test::adam_moments(adam) == moments);
+  CHECK(trainer.stats().micro_batches == 1);
+  CHECK(trainer.step(loss_of(trainer, net, x, y)).stepped());
+}
+
+namespace {
+
+template <class P>
+struct Run {
+  std::shared_ptr<Net> net;
+  torch::optim::Adam adam;
+  mp::Trainer<P> trainer;
+  explicit Run(std::uint64_t seed)
+      : net((torch::manual_seed(seed), std::make_shared<Net>())),
+        adam(net->parameters(), torch::optim::AdamOptions(1e-2)),
+        trainer(net, adam, mp::TrainerOptions().accumulation_steps(2).max_grad_norm(1.0)) {}
+  void train(int micro_batches, const Task& task, int offset) {
+    for (int i = offset; i < offset + micro_batches; ++i) {
+      const auto b = (i % 8) * 32;
+      trainer.step(loss_of(trainer, net, task.x.slice(0, b, b + 32), task.y.slice(0, b, b + 32)));
+    }
+  }
+};
+
+}  // namespace
+
+TEST_CASE_TEMPLATE("a checkpoint resumes bit-identically", P, mp::FullPrecision,
+                   mp::MixedO2<at::BFloat16>, ScaledO2) {
+  const Task task;
+  const auto path = test::temp_path(std::string("resume_") + std::string(P::name) + ".ckpt");
+  Run<P> straight(1);
+  straight.train(6, task, 0);
+  straight.trainer.save(path);
+  straight.train(10, task, 6);  // dropout draws from the RNG: its state is in the checkpoint
+
+  Run<P> resumed(2);  // different initial weights: everything must come from the file
+  resumed.trainer.load(path);
+  CHECK(resumed.trainer.stats().steps == 3);
+  resumed.train(10, task, 6);
+  CHECK(test::identical(resumed.net->parameters(), straight.net->parameters()));
+  CHECK(test::identical(resumed.trainer.master_weights(), straight.trainer.master_weights()));
+  CHECK(test::identical(resumed.net->buffers(), straight.net->buffers()));
+  CHECK(resumed.trainer.stats().scale == straight.trainer.stats().scale);
+  CHECK(resumed.trainer.stats().steps == straight.trainer.stats().steps);
+}
+
+TEST_CASE("bad checkpoints are refused and change nothing") {
+  const Task task;
+  const auto path = test::temp_path("good.ckpt");
+  Run<mp::MixedO2<at::BFloat16>> run(1);
+  run.train(4, task, 0);
+  run.trainer.save(path);
+
+  Run<mp::MixedO2<at::BFloat16>> target(3);
+  target.train(2, task, 0);
+  const auto params = test::snapshot(target.net->parameters());
+  const auto moments = test::adam_moments(target.adam);
+  const auto steps = target.trainer.stats().steps;
+  auto unchanged = [&] {
+    CHECK(test::identical(test::snapshot(target.net->parameters()), params));
+    CHECK(test::adam_moments(target.adam) == moments);
+    CHECK(target.trainer.stats().steps == steps);
+  };
+
+  SUBCASE("truncated") {
+    std::ifstream in(path, std::ios::binary);
+    std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    const auto truncated = test::temp_path("truncated.ckpt");
+    std::ofstream(truncated, std::ios::binary) << bytes.substr(0, bytes.size() / 2);
+    CHECK_THROWS_WITH_AS(target.trainer.load(truncated), doctest::Contains("cannot read"), mp::Error);
+    unchanged();
+  }
+  SUBCASE("missing") {
+    CHECK_THROWS_WITH_AS(target.trainer.load(test::temp_path("nope.ckpt")),
+                         doctest::Contains("cannot read"), mp::Error);
+    unchanged();
+  }
+  SUBCASE("another policy") {
+    Run<mp::FullPrecision> other(1);
+    CHECK_THROWS_WITH_AS(other.trainer.load(path),
+                         doctest::Contains("Trainer<MixedO2<BFloat16>>, this is Trainer<FullPrecision>"),
+                         mp::Error);
+  }
+  SUBCASE("another model") {
+    auto small = torch::nn::Sequential(torch::nn::Linear(16, 4));
+    torch::optim::Adam adam(small->parameters(), torch::optim::AdamOptions(1e-2));
+    mp::Trainer<mp::MixedO2<at::BFloat16>> other(small, adam);
+    const auto before = test::snapshot(small->parameters());
+    CHECK_THROWS_AS(other.load(path), mp::Error);
+    CHECK(test::identical(test::snapshot(small->parameters()), before));
+  }
+  SUBCASE("mid-accumulation saves are refused") {
+    target.train(1, task, 0);
+    CHECK_THROWS_WITH_AS(target.trainer.save(path), doctest::Contains("middle of an accumulation"),
+                         mp::Error);
+  }
+}
