@@ -622,3 +622,19 @@ TEST_CASE("state_dict interop with Python: torch::pickle_save -> torch.load, tor
   CHECK(restored.options().backoff_factor() == 0.25);
   CHECK(restored.options().hysteresis() == 1);
 }
+
+TEST_CASE("an fp16 sparse gradient is coalesced into the parameter before unscaling") {
+  torch::manual_seed(12);
+  torch::nn::Embedding embedding(torch::nn::EmbeddingOptions(6, 2).sparse(true));
+  embedding->to(torch::kHalf);
+  torch::optim::SGD opt(embedding->parameters(), torch::optim::SGDOptions(0.1));
+  mp::GradScaler scaler(mp::GradScalerOptions().init_scale(16).allow_fp16_grads(true));
+  const auto ids = torch::tensor({2, 2, 2, 5}, torch::kLong);  // duplicates: uncoalesced grad
+  scaler.scale(embedding->forward(ids).sum().to(torch::kFloat)).backward();
+  REQUIRE_FALSE(embedding->weight.grad().is_coalesced());
+  scaler.unscale_(opt);
+  const auto& grad = embedding->weight.grad();
+  CHECK(grad.is_coalesced());
+  const auto expected = torch::zeros({6, 2}).index_add_(0, ids, torch::ones({4, 2}));
+  CHECK(grad.to_dense().to(torch::kFloat).equal(expected));
+}

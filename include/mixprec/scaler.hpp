@@ -262,9 +262,14 @@ class ScalerCore {
       pairs.push_back({grad, master_grad});
     }
     for (auto& pair : pairs) {
-      // Duplicate indices of an fp16 sparse gradient could overflow when summed later.
+      // Duplicate indices of an fp16 sparse gradient could overflow when summed later, so the
+      // parameter gets its coalesced gradient, as in PyTorch.
       if (pair.from.is_sparse() && pair.from.scalar_type() == at::kHalf) {
-        pair.from = pair.to = pair.from.coalesce();
+        auto coalesced = pair.from.coalesce();
+        for (auto& p : params) {
+          if (p.grad().is_same(pair.from)) p.mutable_grad() = coalesced;
+        }
+        pair.from = pair.to = coalesced;
       }
     }
     return pairs;
