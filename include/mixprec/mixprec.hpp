@@ -5,6 +5,7 @@
 #include <mixprec/concepts.hpp>
 #include <mixprec/error.hpp>
 #include <mixprec/master_weights.hpp>
+#include <mixprec/ops.hpp>
 #include <mixprec/policy.hpp>
 #include <mixprec/scaler.hpp>
 #include <mixprec/trainer.hpp>
