@@ -691,3 +691,15 @@ TEST_CASE("bad input is a mixprec::Error that says what is wrong and how to fix 
                          Contains("must be finite and at least"), mp::Error);
   }
 }
+
+TEST_CASE("masked_softmax backward: inf or NaN arriving at masked outputs changes nothing") {
+  const auto keep = torch::tensor({true, true, false, false});
+  auto v = torch::tensor({1.0F, 2.0F, 3.0F, 4.0F}, torch::requires_grad());
+  // log() of the masked zeros is -inf, and its gradient there is inf: it must not leak.
+  at::where(keep, mixprec::ops::masked_softmax(v, keep).log(), 0).sum().backward();
+  const auto via_softmax = v.grad().clone();
+  v.mutable_grad().reset();
+  at::where(keep, mixprec::ops::masked_log_softmax(v, keep), 0).sum().backward();
+  CHECK(at::isfinite(via_softmax).all().item<bool>());
+  CHECK(via_softmax.allclose(v.grad(), 1e-6, 1e-6));
+}

@@ -286,6 +286,9 @@ TEST_CASE("misuse is a mixprec::Error that changes nothing") {
     auto opt2 = sgd_over({v});
     (void)scaler.scale(v.sum());
     CHECK_THROWS_WITH_AS(scaler.step(opt2), doctest::Contains("no gradients"), mp::Error);
+    // The failed step recorded nothing: after a backward the iteration goes on normally.
+    scaler.scale(v.sum()).backward();
+    CHECK(scaler.step(opt2));
   }
   SUBCASE("scale of nothing, or of an integer tensor") {
     CHECK_THROWS_AS(scaler.scale(at::Tensor()), mp::Error);
@@ -415,6 +418,7 @@ TEST_CASE("gradient accumulation over scaled micro-batches equals unscaled accum
     }
   };
   check_against_control(run, growth_every_step(true), 3, 0, 128.0);
+  check_against_control(run, growth_every_step(false), 3, 0, 128.0);
 }
 
 TEST_CASE("a gradient penalty through autograd::grad of the scaled loss") {
@@ -436,6 +440,7 @@ TEST_CASE("a gradient penalty through autograd::grad of the scaled loss") {
     }
   };
   check_against_control(run, growth_every_step(true), 6, 0, 128.0);
+  check_against_control(run, growth_every_step(false), 6, 0, 128.0);
 }
 
 TEST_CASE("fused clipping equals PyTorch's recipe: unscale_, then clip_grad_norm_") {
@@ -637,4 +642,38 @@ TEST_CASE("an fp16 sparse gradient is coalesced into the parameter before unscal
   CHECK(grad.is_coalesced());
   const auto expected = torch::zeros({6, 2}).index_add_(0, ids, torch::ones({4, 2}));
   CHECK(grad.to_dense().to(torch::kFloat).equal(expected));
+}
+
+TEST_CASE("fused clipping coalesces sparse gradients: repeated indices count once") {
+  torch::nn::Embedding embedding(torch::nn::EmbeddingOptions(10, 4).sparse(true));
+  torch::optim::SGD opt(embedding->parameters(), torch::optim::SGDOptions(0.1));
+  mp::GradScaler scaler(mp::GradScalerOptions().init_scale(2));
+  scaler.scale(embedding->forward(torch::tensor({3, 3, 3, 3}, torch::kLong)).sum()).backward();
+  // Row 3 gets a gradient of 4 in each of its 4 entries: norm sqrt(4 * 16) = 8.
+  const auto norm = scaler.unscale_(opt, mp::UnscaleOptions().max_grad_norm(1.0));
+  CHECK(*norm == doctest::Approx(8.0));
+  CHECK(embedding->weight.grad().to_dense().norm().item<double>() == doctest::Approx(1.0).epsilon(1e-5));
+}
+
+TEST_CASE("scalers are move-only: a copy would share the scale") {
+  static_assert(!std::is_copy_constructible_v<mp::GradScaler>);
+  static_assert(!std::is_copy_assignable_v<mp::StaticScaler>);
+  static_assert(std::is_move_constructible_v<mp::GradScaler> && std::is_move_assignable_v<mp::NoScaler>);
+  mp::GradScaler a(mp::GradScalerOptions().init_scale(8));
+  (void)a.scale(torch::ones({}));
+  mp::GradScaler b = std::move(a);
+  CHECK(b.get_scale() == 8.0);
+}
+
+TEST_CASE("an expanded (self-overlapping) gradient is refused before anything is unscaled") {
+  auto p1 = param_with_grad(torch::full({4}, 8.0));
+  auto p2 = param_with_grad(torch::ones({1}).expand({4}));
+  auto opt = sgd_over({p1, p2});
+  mp::GradScaler scaler(mp::GradScalerOptions().init_scale(2));
+  (void)scaler.scale(torch::zeros({}));
+  CHECK_THROWS_WITH_AS(scaler.unscale_(opt), doctest::Contains("expanded view"), mp::Error);
+  CHECK(p1.grad().equal(torch::full({4}, 8.0)));
+  p2.mutable_grad() = p2.grad().contiguous();
+  scaler.unscale_(opt);
+  CHECK(p1.grad().equal(torch::full({4}, 4.0)));  // unscaled once
 }

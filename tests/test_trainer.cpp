@@ -336,14 +336,27 @@ struct Run {
   std::shared_ptr<Net> net;
   torch::optim::Adam adam;
   mp::Trainer<P> trainer;
+  static mp::TrainerOptions options() {
+    auto o = mp::TrainerOptions().accumulation_steps(2).max_grad_norm(1.0);
+    // A short growth interval, so that the scale and its tracker change before the save.
+    if constexpr (std::is_same_v<typename P::scaler_type, mp::GradScaler>) {
+      o.scaler(mp::GradScalerOptions().growth_interval(2));
+    }
+    return o;
+  }
   explicit Run(std::uint64_t seed)
       : net((torch::manual_seed(seed), std::make_shared<Net>())),
         adam(net->parameters(), torch::optim::AdamOptions(1e-2)),
-        trainer(net, adam, mp::TrainerOptions().accumulation_steps(2).max_grad_norm(1.0)) {}
+        trainer(net, adam, options()) {}
+  // Micro-batch 2 is poisoned with NaN: one skipped step (and a back-off) before the save.
   void train(int micro_batches, const Task& task, int offset) {
     for (int i = offset; i < offset + micro_batches; ++i) {
       const auto b = (i % 8) * 32;
-      trainer.step(loss_of(trainer, net, task.x.slice(0, b, b + 32), task.y.slice(0, b, b + 32)));
+      const auto x = task.x.slice(0, b, b + 32), y = task.y.slice(0, b, b + 32);
+      trainer.step([&, i] {
+        auto loss = torch::nn::functional::cross_entropy(net->forward(trainer.cast_input(x)), y);
+        return i == 2 ? loss * std::numeric_limits<float>::quiet_NaN() : loss;
+      });
     }
   }
 };
@@ -362,6 +375,7 @@ TEST_CASE_TEMPLATE("a checkpoint resumes bit-identically", P, mp::FullPrecision,
   Run<P> resumed(2);  // different initial weights: everything must come from the file
   resumed.trainer.load(path);
   CHECK(resumed.trainer.stats().steps == 3);
+  CHECK(resumed.trainer.stats().skipped_steps == 1);
   resumed.train(10, task, 6);
   CHECK(test::identical(resumed.net->parameters(), straight.net->parameters()));
   CHECK(test::identical(resumed.trainer.master_weights(), straight.trainer.master_weights()));
@@ -382,8 +396,12 @@ TEST_CASE("bad checkpoints are refused and change nothing") {
   const auto params = test::snapshot(target.net->parameters());
   const auto moments = test::adam_moments(target.adam);
   const auto steps = target.trainer.stats().steps;
+  const auto masters = test::snapshot(target.trainer.master_weights());
+  const auto buffers = test::snapshot(target.net->buffers());
   auto unchanged = [&] {
     CHECK(test::identical(test::snapshot(target.net->parameters()), params));
+    CHECK(test::identical(test::snapshot(target.trainer.master_weights()), masters));
+    CHECK(test::identical(test::snapshot(target.net->buffers()), buffers));
     CHECK(test::adam_moments(target.adam) == moments);
     CHECK(target.trainer.stats().steps == steps);
   };
@@ -420,4 +438,131 @@ TEST_CASE("bad checkpoints are refused and change nothing") {
     CHECK_THROWS_WITH_AS(target.trainer.save(path), doctest::Contains("middle of an accumulation"),
                          mp::Error);
   }
+}
+
+TEST_CASE("MixedO2 pairs master weights by identity: group order, subsets, tied weights") {
+  const Task task;
+  auto make = [] {
+    torch::manual_seed(21);
+    return torch::nn::Sequential(torch::nn::Linear(16, 16), torch::nn::ReLU(),
+                                 torch::nn::Linear(16, 16), torch::nn::ReLU(),
+                                 torch::nn::Linear(16, 4));
+  };
+  auto train = [&](torch::nn::Sequential& model, torch::optim::Optimizer& opt) {
+    mp::Trainer<mp::MixedO2<at::BFloat16>> trainer(model, opt);
+    for (std::int64_t b = 0; b < 256; b += 32) {
+      const auto x = task.x.slice(0, b, b + 32), y = task.y.slice(0, b, b + 32);
+      REQUIRE(trainer.step([&] {
+        return torch::nn::functional::cross_entropy(model->forward(trainer.cast_input(x)), y);
+      }).stepped());
+    }
+    return trainer.master_weights().size();
+  };
+  SUBCASE("parameter groups in reverse order (equal shapes: a positional pairing would not see it)") {
+    auto in_order = make();
+    auto reversed = make();
+    torch::optim::SGD sgd_in_order(in_order->parameters(), torch::optim::SGDOptions(0.1));
+    auto params = reversed->parameters();
+    std::vector<torch::optim::OptimizerParamGroup> groups;
+    for (auto it = params.rbegin(); it != params.rend(); ++it) {
+      groups.emplace_back(std::vector<at::Tensor>{*it});
+    }
+    torch::optim::SGD sgd_reversed(groups, torch::optim::SGDOptions(0.1));
+    train(in_order, sgd_in_order);
+    train(reversed, sgd_reversed);
+    CHECK(test::identical(in_order->parameters(), reversed->parameters()));
+  }
+  SUBCASE("an optimizer over a subset: frozen layers stay as they were") {
+    auto model = make();
+    for (auto& p : model[0]->parameters()) p.requires_grad_(false);
+    const auto frozen = test::snapshot(model[0]->parameters());
+    const auto trained_before = test::snapshot(model[4]->parameters());
+    std::vector<at::Tensor> trainable = model[2]->parameters();
+    for (auto& p : model[4]->parameters()) trainable.push_back(p);
+    torch::optim::SGD sgd(trainable, torch::optim::SGDOptions(0.1));
+    CHECK(train(model, sgd) == 4U);
+    std::vector<at::Tensor> frozen_now;
+    for (auto& p : model[0]->parameters()) frozen_now.push_back(p.to(at::kFloat));
+    CHECK(test::max_abs_diff(frozen_now, frozen) <= 1.0 / 128);  // only rounded to bf16
+    CHECK_FALSE(test::identical(test::snapshot(model[4]->parameters()), trained_before));
+  }
+  SUBCASE("tied weights get one master and train") {
+    auto shared = torch::nn::Linear(16, 16);
+    auto model = torch::nn::Sequential(shared, torch::nn::Tanh(), shared, torch::nn::Tanh(),
+                                       torch::nn::Linear(16, 4));
+    REQUIRE(model->parameters().size() == 6U);  // LibTorch lists the tied tensors twice
+    const auto before = shared->weight.detach().clone();
+    torch::optim::SGD sgd(model->parameters(), torch::optim::SGDOptions(0.1));
+    mp::Trainer<mp::MixedO2<at::BFloat16>> trainer(model, sgd);
+    CHECK(trainer.master_weights().size() == 4U);
+    for (std::int64_t b = 0; b < 256; b += 32) {
+      const auto x = task.x.slice(0, b, b + 32), y = task.y.slice(0, b, b + 32);
+      trainer.step([&] {
+        return torch::nn::functional::cross_entropy(model->forward(trainer.cast_input(x)), y);
+      });
+    }
+    const auto master = trainer.master_weights()[0];
+    CHECK(shared->weight.equal(master.to(at::kBFloat16)));  // the model follows its master
+    CHECK((master - before).abs().max().item<double>() > 1e-2);  // and it trained
+  }
+}
+
+TEST_CASE("a NaN loss with finite gradients is skipped too") {
+  torch::manual_seed(0);
+  auto net = std::make_shared<Net>();
+  torch::optim::SGD sgd(net->parameters(), torch::optim::SGDOptions(0.1));
+  mp::Trainer<mp::MixedO2<at::BFloat16>> trainer(net, sgd);
+  const Task task;
+  const auto x = task.x.slice(0, 0, 32), y = task.y.slice(0, 0, 32);
+  const auto before = test::snapshot(net->parameters());
+  const auto report = trainer.step([&] {
+    const auto nan = torch::full({}, std::numeric_limits<float>::quiet_NaN());  // no grad
+    return torch::nn::functional::cross_entropy(net->forward(trainer.cast_input(x)), y) + nan;
+  });
+  CHECK(report.status == mp::StepStatus::skipped);
+  CHECK(test::identical(test::snapshot(net->parameters()), before));
+}
+
+TEST_CASE("MixedO2 accumulates micro-batch gradients in fp32, not in bf16") {
+  // Micro-batch gradients 1, 2^-9, 2^-9, 2^-9: summed in bf16 each 2^-9 is a tie that rounds
+  // back to 1; summed in fp32 the total is exact. Averaged over 4 (exact), lr 1.
+  auto lin = torch::nn::Linear(torch::nn::LinearOptions(1, 1).bias(false));
+  {
+    torch::NoGradGuard no_grad;
+    lin->weight.fill_(1.0);
+  }
+  torch::optim::SGD sgd(lin->parameters(), torch::optim::SGDOptions(1.0));
+  mp::Trainer<mp::MixedO2<at::BFloat16>> trainer(lin, sgd, mp::TrainerOptions().accumulation_steps(4));
+  const double inputs[] = {1.0, std::ldexp(1.0, -9), std::ldexp(1.0, -9), std::ldexp(1.0, -9)};
+  for (const double input : inputs) {
+    const auto x = torch::full({1, 1}, input);
+    trainer.step([&] { return lin->forward(trainer.cast_input(x)).sum(); });
+  }
+  const double expected = 1.0 - (1.0 + 3 * std::ldexp(1.0, -9)) / 4;
+  CHECK(trainer.master_weights()[0].item<double>() == expected);
+}
+
+TEST_CASE("MixedO1 inside an enclosing autocast scope sees each step's new weights") {
+  // torch::mm on a raw parameter: autocast caches its bf16 cast while any autocast scope is open.
+  struct MatMul : torch::nn::Module {
+    MatMul() { w = register_parameter("w", torch::full({2, 2}, 0.5)); }
+    at::Tensor forward(const at::Tensor& x) { return torch::mm(x, w); }
+    at::Tensor w;
+  };
+  auto losses = [](bool enclosing) {
+    auto model = std::make_shared<MatMul>();
+    torch::optim::SGD sgd(model->parameters(), torch::optim::SGDOptions(0.5));
+    mp::Trainer<mp::MixedO1<at::BFloat16>> trainer(model, sgd);
+    std::optional<mp::AutocastGuard> outer;
+    if (enclosing) outer.emplace(torch::kCPU, at::kBFloat16);
+    const auto x = torch::ones({2, 2});
+    std::vector<double> result;
+    for (int i = 0; i < 4; ++i) {
+      result.push_back(trainer.step([&] { return model->forward(x).pow(2).mean(); }).loss.item<double>());
+    }
+    return result;
+  };
+  const auto plain = losses(false);
+  CHECK(plain[3] < plain[0]);
+  CHECK(losses(true) == plain);
 }

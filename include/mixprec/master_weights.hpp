@@ -15,30 +15,36 @@ namespace mixprec {
 
 class MasterWeights {
  public:
-  /// Masters for the (already cast) `model_params` from `fp32_values`, their values before the
-  /// cast, so the masters are exact; rebinds `optimizer` from the model's parameters to them.
-  /// Refuses an optimizer that already has state or holds tensors that are not the model's.
+  /// Masters for the (already cast) parameters the optimizer holds, from `fp32_values` (the
+  /// values of `model_params` before the cast, so the masters are exact); rebinds `optimizer`
+  /// from the model's tensors to them. Pairing is by tensor identity: any parameter-group order,
+  /// a subset of the model (frozen layers left out) and tied weights all work. fp32 parameters
+  /// (kept BatchNorm) are their own masters.
   MasterWeights(const std::vector<at::Tensor>& model_params,
-                const std::vector<at::Tensor>& fp32_values, torch::optim::Optimizer& optimizer)
-      : model_params_(model_params) {
-    MIXPREC_CHECK(fp32_values.size() == model_params_.size(), "MasterWeights needs one fp32 "
-                  "value per parameter, got ", fp32_values.size(), " for ", model_params_.size());
-    check_rebindable(model_params_, optimizer);
-    std::unordered_map<const void*, std::size_t> index;
-    for (std::size_t i = 0; i < model_params_.size(); ++i) {
-      index.emplace(model_params_[i].unsafeGetTensorImpl(), i);
+                const std::vector<at::Tensor>& fp32_values, torch::optim::Optimizer& optimizer) {
+    MIXPREC_CHECK(fp32_values.size() == model_params.size(), "MasterWeights needs one fp32 "
+                  "value per parameter, got ", fp32_values.size(), " for ", model_params.size());
+    check_rebindable(model_params, optimizer);
+    std::unordered_map<const void*, std::size_t> model_index;
+    for (std::size_t i = 0; i < model_params.size(); ++i) {
+      model_index.emplace(model_params[i].unsafeGetTensorImpl(), i);
     }
-    masters_.reserve(model_params_.size());
-    for (std::size_t i = 0; i < model_params_.size(); ++i) {
-      const auto& p = model_params_[i];
-      // fp32 parameters (kept norm layers) are their own masters.
-      masters_.push_back(p.scalar_type() == at::kFloat
-                             ? p
-                             : fp32_values[i].detach().to(at::kFloat).clone().requires_grad_(
-                                   p.requires_grad()));
-    }
+    std::unordered_map<const void*, at::Tensor> master_of;  // one master per model tensor
     for (auto& group : optimizer.param_groups()) {
-      for (auto& p : group.params()) p = masters_[index.at(p.unsafeGetTensorImpl())];
+      for (auto& p : group.params()) {
+        const auto i = model_index.at(p.unsafeGetTensorImpl());
+        auto [it, inserted] = master_of.try_emplace(p.unsafeGetTensorImpl());
+        if (inserted) {
+          const auto& model = model_params[i];
+          it->second = model.scalar_type() == at::kFloat
+                           ? model
+                           : fp32_values[i].detach().to(at::kFloat).clone().requires_grad_(
+                                 model.requires_grad());
+          pairs_.push_back({model, it->second});
+        }
+        sources_.push_back(model_params[i]);
+        p = it->second;
+      }
     }
   }
 
@@ -67,31 +73,45 @@ class MasterWeights {
     }
   }
 
-  /// The fp32 tensors the optimizer updates, in the order of the model's parameters.
-  const std::vector<at::Tensor>& masters() const noexcept { return masters_; }
-  /// The model's parameters, in the model's order.
-  const std::vector<at::Tensor>& model_params() const noexcept { return model_params_; }
+  /// The fp32 tensors the optimizer updates, one per model tensor, in the optimizer's order.
+  std::vector<at::Tensor> masters() const {
+    std::vector<at::Tensor> result;
+    for (const auto& pair : pairs_) result.push_back(pair.master);
+    return result;
+  }
+
+  /// For each parameter the optimizer holds, in its order, the model tensor whose gradient
+  /// feeds it: UnscaleOptions::grads_from.
+  const std::vector<at::Tensor>& grad_sources() const noexcept { return sources_; }
+
+  /// Adds the model's gradients into the masters' fp32 gradients and zeroes the model's, so
+  /// that gradients accumulated over micro-batches sum in fp32, not in the model's dtype.
+  void accumulate_grads() {
+    at::NoGradGuard no_grad;
+    for (auto& pair : pairs_) {
+      if (pair.master.is_same(pair.model) || !pair.model.grad().defined()) continue;
+      auto& master_grad = pair.master.mutable_grad();
+      if (!master_grad.defined()) master_grad = at::zeros_like(pair.master);
+      master_grad.add_(pair.model.grad());
+      pair.model.mutable_grad().zero_();
+    }
+  }
 
   /// Writes the masters, rounded, into the model's parameters.
   void copy_to_model() {
     at::NoGradGuard no_grad;
-    for (std::size_t i = 0; i < masters_.size(); ++i) {
-      if (!masters_[i].is_same(model_params_[i])) model_params_[i].copy_(masters_[i]);
+    for (auto& pair : pairs_) {
+      if (!pair.master.is_same(pair.model)) pair.model.copy_(pair.master);
     }
   }
 
-  /// Replaces the masters' values (checkpoint loading); shapes must match.
-  void load(const std::vector<at::Tensor>& values) {
-    MIXPREC_CHECK(values.size() == masters_.size(), "checkpoint has ", values.size(),
-                  " master weights, the model ", masters_.size());
-    at::NoGradGuard no_grad;
-    for (std::size_t i = 0; i < values.size(); ++i) masters_[i].copy_(values[i]);
-    copy_to_model();
-  }
-
  private:
-  std::vector<at::Tensor> model_params_;
-  std::vector<at::Tensor> masters_;
+  struct Pair {
+    at::Tensor model;
+    at::Tensor master;
+  };
+  std::vector<Pair> pairs_;
+  std::vector<at::Tensor> sources_;
 };
 
 }  // namespace mixprec

@@ -19,6 +19,7 @@
 #include <mixprec/error.hpp>
 
 #include <ATen/ATen.h>
+#include <ATen/MemoryOverlap.h>
 #include <ATen/core/Dict.h>
 #include <torch/arg.h>
 #include <torch/optim/optimizer.h>
@@ -63,6 +64,9 @@ struct UnscaleOptions {
   /// Read each gradient from these parameters' .grad() (same order as the optimizer's
   /// parameters) and write it, unscaled, into the optimizer's; for fp32 master weights.
   TORCH_ARG(std::vector<at::Tensor>, grads_from) = {};
+  /// More values whose inf/NaN also skips the step, e.g. the loss: a NaN loss can have finite
+  /// gradients. Checked on the device, without a host synchronisation.
+  TORCH_ARG(at::Tensor, also_check) = {};
 };
 
 namespace detail {
@@ -155,7 +159,19 @@ class ScalerCore {
       const at::Tensor& device_scale = scaling_ ? scale_ : at::Tensor();
       at::Tensor found_inf = at::zeros({}, at::TensorOptions(at::kFloat).device(
                                                scaling_ ? scale_.device() : pairs.front().from.device()));
-      norm = run_passes(pairs, options, device_scale, found_inf);
+      try {
+        norm = run_passes(pairs, options, device_scale, found_inf);
+      } catch (...) {
+        // Some gradients may be unscaled already: poison the step rather than risk a retry
+        // unscaling them twice.
+        entry.found_inf = found_inf.fill_(1.0);
+        entry.stage = Stage::unscaled;
+        throw;
+      }
+      if (options.also_check().defined()) {
+        found_inf.add_(at::isfinite(options.also_check()).logical_not().any().to(found_inf.options()))
+            .clamp_max_(1.0);
+      }
       entry.found_inf = found_inf;
     }
     entry.stage = Stage::unscaled;
@@ -169,9 +185,11 @@ class ScalerCore {
     MIXPREC_CHECK(entry.stage != Stage::stepped,
                   "step() has already been called since the last update()");
     if (entry.stage == Stage::ready) unscale_(optimizer);
-    MIXPREC_CHECK(entry.found_inf.defined(),
-                  "step() found no gradients in this optimizer: call backward() on "
-                  "scaler.scale(loss) before step()");
+    if (!entry.found_inf.defined()) {
+      entry.stage = Stage::ready;  // nothing was unscaled: the iteration can still go on
+      detail::fail("step() found no gradients in this optimizer: call backward() on "
+                   "scaler.scale(loss) before step()");
+    }
     const bool finite = entry.found_inf.item<float>() == 0.0F;
     if (finite) {
       optimizer.step();
@@ -191,6 +209,16 @@ class ScalerCore {
   /// Optimizer steps skipped because of inf or NaN, since construction.
   std::int64_t skipped_steps() const noexcept { return skipped_steps_; }
 
+  /// Forgets this iteration's unscale_/step records without touching the scale, e.g. after an
+  /// error between backward() and update().
+  void reset_stages() noexcept { entries_.clear(); }
+
+  // A copy would share the scale tensor with the original: move only.
+  ScalerCore(const ScalerCore&) = delete;
+  ScalerCore& operator=(const ScalerCore&) = delete;
+  ScalerCore(ScalerCore&&) noexcept = default;
+  ScalerCore& operator=(ScalerCore&&) noexcept = default;
+
  protected:
   ScalerCore(double init_scale, bool scaling, bool allow_fp16)
       : init_scale_(init_scale), scaling_(scaling), allow_fp16_(allow_fp16) {}
@@ -207,9 +235,6 @@ class ScalerCore {
     entries_.clear();
     return sum;
   }
-
-  /// Starts a new iteration without reading the inf checks (update(new_scale)).
-  void reset_stages() noexcept { entries_.clear(); }
 
   at::Tensor scale_;  // 0-dim fp32, created by the first scale() on the loss's device
   double init_scale_;
@@ -233,43 +258,50 @@ class ScalerCore {
     MIXPREC_CHECK(grads_from.empty() || grads_from.size() == params.size(),
                   "UnscaleOptions::grads_from has ", grads_from.size(),
                   " tensors but the optimizer has ", params.size(), " parameters");
-    std::vector<GradPair> pairs;
+    const bool in_place = grads_from.empty();
+    std::vector<std::size_t> with_grad;
     for (std::size_t i = 0; i < params.size(); ++i) {
-      const at::Tensor source = grads_from.empty() ? params[i] : grads_from[i];
-      const at::Tensor& grad = source.grad();
+      const at::Tensor& grad = (in_place ? params[i] : grads_from[i]).grad();
       if (!grad.defined()) continue;
       const auto dtype = grad.scalar_type();
       MIXPREC_CHECK(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16 ||
                         dtype == at::kDouble,
                     "unscale_() found a gradient of dtype ", dtype,
                     "; gradients must be Float, Double, Half or BFloat16");
-      if (grads_from.empty()) {
+      MIXPREC_CHECK(grad.is_sparse() || at::has_internal_overlap(grad) != at::MemOverlap::Yes,
+                    "gradient ", i, " of shape ", grad.sizes(), " is an expanded view whose "
+                    "elements share memory: unscaling it would scale shared values more than "
+                    "once; give the parameter a gradient of its own (e.g. grad.contiguous())");
+      if (in_place) {
         MIXPREC_CHECK(!scaling_ || dtype != at::kHalf || allow_fp16_,
                       "Attempting to unscale fp16 gradients in place: dividing them in fp16 "
                       "flushes the small values that loss scaling protects. Keep fp32 "
                       "parameters (MixedO1), or fp32 master weights (MixedO2); for "
                       "PureHalf<at::Half> opt in with GradScalerOptions().allow_fp16_grads(true)");
-        pairs.push_back({grad, grad});
-        continue;
+      } else {
+        MIXPREC_CHECK(!grad.is_sparse(), "sparse gradients cannot be copied into master "
+                      "weights; use a dense embedding (sparse=false) with MixedO2");
+        MIXPREC_CHECK(grad.sizes() == params[i].sizes(), "UnscaleOptions::grads_from[", i,
+                      "] has shape ", grad.sizes(), " but the optimizer's parameter has shape ",
+                      params[i].sizes());
       }
-      MIXPREC_CHECK(!grad.is_sparse(), "sparse gradients cannot be copied into master weights; "
-                    "use a dense embedding (sparse=false) with MixedO2");
-      MIXPREC_CHECK(grad.sizes() == params[i].sizes(), "UnscaleOptions::grads_from[", i,
-                    "] has shape ", grad.sizes(), " but the optimizer's parameter has shape ",
-                    params[i].sizes());
-      auto& master_grad = params[i].mutable_grad();
-      if (!master_grad.defined()) master_grad = at::empty_like(params[i]);
-      pairs.push_back({grad, master_grad});
+      with_grad.push_back(i);
     }
-    for (auto& pair : pairs) {
-      // Duplicate indices of an fp16 sparse gradient could overflow when summed later, so the
-      // parameter gets its coalesced gradient, as in PyTorch.
-      if (pair.from.is_sparse() && pair.from.scalar_type() == at::kHalf) {
-        auto coalesced = pair.from.coalesce();
-        for (auto& p : params) {
-          if (p.grad().is_same(pair.from)) p.mutable_grad() = coalesced;
+    std::vector<GradPair> pairs;
+    for (const auto i : with_grad) {
+      if (in_place) {
+        auto grad = params[i].grad();
+        // Repeated indices of a sparse gradient would be counted twice by the norm, and could
+        // overflow fp16 when summed later: the parameter gets the coalesced gradient.
+        if (grad.is_sparse() && !grad.is_coalesced()) {
+          grad = grad.coalesce();
+          params[i].mutable_grad() = grad;
         }
-        pair.from = pair.to = coalesced;
+        pairs.push_back({grad, grad});
+      } else {
+        auto& master_grad = params[i].mutable_grad();
+        if (!master_grad.defined()) master_grad = at::empty_like(params[i]);
+        pairs.push_back({grads_from[i].grad(), master_grad});
       }
     }
     return pairs;
@@ -396,8 +428,6 @@ class GradScaler : public detail::ScalerCore {
         .backoff_factor(number(dict, "backoff_factor"))
         .growth_interval(integer(dict, "growth_interval"));
     if (dict.contains("hysteresis")) options.hysteresis(integer(dict, "hysteresis"));
-    options.min_scale(std::min(options.min_scale(), options.init_scale()))
-        .max_scale(std::max(options.max_scale(), options.init_scale()));
     detail::check_options(options);
     const auto tracker = integer(dict, "_growth_tracker");
     MIXPREC_CHECK(tracker >= 0 && tracker < options.growth_interval(), "state dict has "
@@ -405,6 +435,9 @@ class GradScaler : public detail::ScalerCore {
     const auto hysteresis_tracker = dict.contains("_hysteresis_tracker")
                                         ? integer(dict, "_hysteresis_tracker")
                                         : options.hysteresis();
+    MIXPREC_CHECK(hysteresis_tracker <= options.hysteresis(), "state dict has "
+                  "_hysteresis_tracker ", hysteresis_tracker, " above hysteresis ",
+                  options.hysteresis());
     options_ = options;
     init_scale_ = options.init_scale();
     growth_tracker_init_ = tracker;

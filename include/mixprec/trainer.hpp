@@ -216,7 +216,10 @@ class Trainer {
     StepReport report;
     report.scale = scaler_.get_scale();
     scaler_.scale(to_backprop).backward();
+    // Micro-batch gradients sum in the fp32 master gradients, not in the Low model gradients.
+    if (masters_ && n > 1) masters_->accumulate_grads();
     report.loss = loss32.detach();
+    loss_sum_ = loss_sum_.defined() ? loss_sum_ + report.loss : report.loss;
     ++stats_.micro_batches;
     if (++pending_ < n) {
       report.step = stats_.steps;
@@ -226,11 +229,23 @@ class Trainer {
     pending_ = 0;
     UnscaleOptions unscale;
     unscale.max_grad_norm(options_.max_grad_norm());
-    if (masters_) unscale.grads_from(masters_->model_params());
-    report.grad_norm = scaler_.unscale_(*optimizer_, unscale);
-    const bool stepped = scaler_.step(*optimizer_);
-    scaler_.update();
-    if (stepped && masters_) masters_->copy_to_model();
+    if (masters_ && n == 1) unscale.grads_from(masters_->grad_sources());  // else in place
+    unscale.also_check(loss_sum_);  // a NaN loss can have finite gradients
+    loss_sum_ = at::Tensor();
+    bool stepped = false;
+    try {
+      report.grad_norm = scaler_.unscale_(*optimizer_, unscale);
+      stepped = scaler_.step(*optimizer_);
+      scaler_.update();
+    } catch (...) {
+      scaler_.reset_stages();  // leave the scaler usable for the next step
+      throw;
+    }
+    if (stepped) {
+      if (masters_) masters_->copy_to_model();
+      // The weights changed: casts cached by an enclosing autocast scope are stale now.
+      at::autocast::clear_cache();
+    }
     ++stats_.steps;
     if (!stepped) ++stats_.skipped_steps;
     report.status = stepped ? StepStatus::stepped : StepStatus::skipped;
@@ -264,7 +279,8 @@ class Trainer {
   torch::optim::Optimizer& optimizer() noexcept { return *optimizer_; }
   const TrainerOptions& options() const noexcept { return options_; }
 
-  /// The fp32 master weights (MixedO2), in the order of model->parameters(); empty otherwise.
+  /// The fp32 master weights (MixedO2), one per model tensor the optimizer holds, in the
+  /// optimizer's order; empty for the other policies.
   std::vector<at::Tensor> master_weights() const {
     return masters_ ? masters_->masters() : std::vector<at::Tensor>{};
   }
@@ -376,6 +392,11 @@ class Trainer {
                   "'", path, "' lacks the scaler state");
     at::Tensor rng;
     MIXPREC_CHECK(archive.try_read("rng.cpu", rng), "'", path, "' lacks the RNG state");
+    try {  // a state of the wrong size would fail only after everything else was loaded
+      at::make_generator<at::CPUGeneratorImpl>().set_state(rng);
+    } catch (const c10::Error&) {
+      detail::fail("'", path, "' holds an invalid RNG state");
+    }
     torch::serialize::InputArchive optimizer_archive;
     MIXPREC_CHECK(archive.try_read("optimizer", optimizer_archive), "'", path,
                   "' lacks the optimizer state");
@@ -422,6 +443,7 @@ class Trainer {
   c10::DeviceType device_type_ = c10::DeviceType::CPU;
   TrainerStats stats_;
   std::int64_t pending_ = 0;  // micro-batches accumulated since the last optimizer step
+  at::Tensor loss_sum_;       // their losses: inf/NaN in any of them skips the step
 };
 
 }  // namespace mixprec

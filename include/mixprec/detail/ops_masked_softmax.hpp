@@ -54,8 +54,10 @@ struct MaskedSoftmaxFunction : torch::autograd::Function<MaskedSoftmaxFunction> 
     const auto& keep = saved[1];
     const int64_t dim = ctx->saved_data["dim"].toInt();
     // Written with differentiable ops, so double backward works as for softmax itself.
-    auto grad = at::_softmax_backward_data(grad_outputs[0], out, dim, out.scalar_type());
-    // Masked entries get exactly zero, even if the incoming gradient there is inf.
+    // Masked outputs are constants: an inf/NaN gradient arriving there must not reach the row
+    // sum of the softmax backward, so it is dropped first; masked entries then get exactly zero.
+    const auto grad_out = grad_outputs[0].masked_fill(keep.logical_not(), 0);
+    auto grad = at::_softmax_backward_data(grad_out, out, dim, out.scalar_type());
     grad.masked_fill_(keep.logical_not(), 0);
     return {grad, at::Tensor(), at::Tensor(), at::Tensor()};
   }
