@@ -18,6 +18,12 @@
 #include <limits>
 #include <vector>
 
+#if defined(__GNUC__) || defined(__clang__)
+#define MIXPREC_ALWAYS_INLINE [[gnu::always_inline]]
+#else
+#define MIXPREC_ALWAYS_INLINE
+#endif
+
 namespace mixprec::detail {
 
 /// One gradient to unscale: read from `from`, write into `to` (the same tensor when in place).
@@ -46,7 +52,61 @@ inline float finite_threshold() {
   }
 }
 
-// The element loop: float math for Half/BFloat16, as PyTorch's kernels do; double stays double.
+// The float/Half/BFloat16 element loop, written so that it vectorises: the finiteness test is an
+// integer compare on the bits (|v| as int32 >= the threshold's bits: exactly !(|v| < threshold),
+// NaN included), ORed into an int; the float compare `bad |= !(abs(v) < t)` left the loop scalar
+// ("control flow in loop"), ~3x slower than mul_ for fp32 and ~7x for bf16.
+template <class In, class Out>
+MIXPREC_ALWAYS_INLINE inline bool scale_and_check_loop(const In* from, Out* to, std::int64_t begin,
+                                                        std::int64_t end, float factor) {
+  const auto threshold = std::bit_cast<std::int32_t>(finite_threshold<Out>());
+  std::int32_t bad = 0;
+  for (std::int64_t i = begin; i < end; ++i) {
+    const float v = static_cast<float>(from[i]) * factor;
+    to[i] = static_cast<Out>(v);
+    bad |= static_cast<std::int32_t>((std::bit_cast<std::int32_t>(v) & 0x7fffffff) >= threshold);
+  }
+  return bad != 0;
+}
+
+#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
+#define MIXPREC_X86_DISPATCH 1
+// The same loops compiled for AVX2 and AVX-512, chosen at run time: the library is header-only
+// and built with the consumer's flags (often plain x86-64: SSE2), while ATen's own kernels
+// dispatch on the CPU. Multiplies and integer ops only (no FMA): results are bit-identical
+// whichever loop runs.
+enum class Isa { base, avx2, avx512 };
+inline Isa cpu_isa() {
+  static const Isa isa = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")
+                             ? Isa::avx512
+                             : (__builtin_cpu_supports("avx2") ? Isa::avx2 : Isa::base);
+  return isa;
+}
+template <class In, class Out>
+[[gnu::target("avx2")]] bool scale_and_check_loop_avx2(const In* from, Out* to, std::int64_t begin,
+                                                       std::int64_t end, float factor) {
+  return scale_and_check_loop(from, to, begin, end, factor);
+}
+template <class In, class Out>
+[[gnu::target("avx512f,avx512bw")]] bool scale_and_check_loop_avx512(
+    const In* from, Out* to, std::int64_t begin, std::int64_t end, float factor) {
+  return scale_and_check_loop(from, to, begin, end, factor);
+}
+#endif
+
+template <class In, class Out>
+bool scale_and_check_dispatch(const In* from, Out* to, std::int64_t begin, std::int64_t end,
+                              float factor) {
+#ifdef MIXPREC_X86_DISPATCH
+  switch (cpu_isa()) {
+    case Isa::avx512: return scale_and_check_loop_avx512(from, to, begin, end, factor);
+    case Isa::avx2: return scale_and_check_loop_avx2(from, to, begin, end, factor);
+    case Isa::base: break;
+  }
+#endif
+  return scale_and_check_loop(from, to, begin, end, factor);
+}
+
 template <class In, class Out>
 bool scale_and_check_span(const In* from, Out* to, std::int64_t n, float factor) {
   std::atomic<bool> non_finite{false};
@@ -64,16 +124,49 @@ bool scale_and_check_span(const In* from, Out* to, std::int64_t n, float factor)
         bad |= !std::isfinite(static_cast<double>(to[i]));
       }
     } else {
-      const float threshold = finite_threshold<Out>();
-      for (std::int64_t i = begin; i < end; ++i) {
-        const float v = static_cast<float>(from[i]) * factor;
-        to[i] = static_cast<Out>(v);
-        bad |= !(std::abs(v) < threshold);  // false for NaN too
-      }
+      bad = scale_and_check_dispatch(from, to, begin, end, factor);
     }
     if (bad) non_finite.store(true, std::memory_order_relaxed);
   });
   return non_finite.load(std::memory_order_relaxed);
+}
+
+// Sum of squares of one chunk: eight double accumulators, lane k taking elements i + k, so that
+// the loop vectorises without reassociation (the sum is the same whatever the vector width).
+template <class In>
+MIXPREC_ALWAYS_INLINE inline double sum_of_squares_loop(const In* from, std::int64_t begin,
+                                                         std::int64_t end) {
+  double acc[8] = {0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0};
+  std::int64_t i = begin;
+  for (; i + 8 <= end; i += 8) {
+    for (int k = 0; k < 8; ++k) {
+      const double v = static_cast<double>(from[i + k]);
+      acc[k] += v * v;
+    }
+  }
+  for (; i < end; ++i) {
+    const double v = static_cast<double>(from[i]);
+    acc[0] += v * v;
+  }
+  return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+}
+
+#ifdef MIXPREC_X86_DISPATCH
+// AVX2 only: targets that imply FMA would let the compiler fuse v * v + acc, which rounds
+// differently from the baseline loop.
+template <class In>
+[[gnu::target("avx2")]] double sum_of_squares_loop_avx2(const In* from, std::int64_t begin,
+                                                        std::int64_t end) {
+  return sum_of_squares_loop(from, begin, end);
+}
+#endif
+
+template <class In>
+double sum_of_squares_dispatch(const In* from, std::int64_t begin, std::int64_t end) {
+#ifdef MIXPREC_X86_DISPATCH
+  if (cpu_isa() != Isa::base) return sum_of_squares_loop_avx2(from, begin, end);
+#endif
+  return sum_of_squares_loop(from, begin, end);
 }
 
 template <class In>
@@ -86,21 +179,8 @@ GradStats grad_stats_span(const In* from, std::int64_t n) {
     for (std::int64_t c = chunk_begin; c < chunk_end; ++c) {
       const std::int64_t begin = c * kGrainSize;
       const std::int64_t end = std::min(n, begin + kGrainSize);
-      // Four accumulators break the dependency chain; the order is fixed, so results are
-      // reproducible whatever the thread count.
-      double acc[4] = {0.0, 0.0, 0.0, 0.0};
-      std::int64_t i = begin;
-      for (; i + 4 <= end; i += 4) {
-        for (int k = 0; k < 4; ++k) {
-          const double v = static_cast<double>(from[i + k]);
-          acc[k] += v * v;
-        }
-      }
-      for (; i < end; ++i) {
-        const double v = static_cast<double>(from[i]);
-        acc[0] += v * v;
-      }
-      const double sum = (acc[0] + acc[1]) + (acc[2] + acc[3]);
+      // The order within a chunk is fixed, so results are reproducible whatever the thread count.
+      const double sum = sum_of_squares_dispatch(from, begin, end);
       bad |= !(sum <= std::numeric_limits<double>::max());  // any inf or NaN reaches the sum
       partial[static_cast<std::size_t>(c)] = sum;
     }
