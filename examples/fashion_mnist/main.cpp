@@ -35,6 +35,7 @@
 
 #include "cli.hpp"
 #include "idx_dataset.hpp"
+#include "model.hpp"
 #include "progress.hpp"
 #include "report.hpp"
 #include "svg_plot.hpp"
@@ -45,29 +46,7 @@ namespace {
 
 namespace fm = fashion_mnist;
 
-/// conv-BN-ReLU-pool, conv-ReLU-pool, linear: 28x28 -> 14x14 -> 7x7 -> 10 classes. The BatchNorm
-/// is there to exercise the policies' norm-layer rule (fp32 under MixedO2, Low under PureHalf).
-struct NetImpl : torch::nn::Module {
-  NetImpl()
-      : conv1(register_module("conv1",
-                              torch::nn::Conv2d(torch::nn::Conv2dOptions(1, 16, 3).padding(1)))),
-        bn1(register_module("bn1", torch::nn::BatchNorm2d(16))),
-        conv2(register_module("conv2",
-                              torch::nn::Conv2d(torch::nn::Conv2dOptions(16, 32, 3).padding(1)))),
-        fc(register_module("fc", torch::nn::Linear(32 * 7 * 7, fm::kClasses))) {}
-
-  torch::Tensor forward(torch::Tensor x) {
-    x = torch::max_pool2d(torch::relu(bn1(conv1(x))), 2);
-    x = torch::max_pool2d(torch::relu(conv2(x)), 2);
-    return fc(x.flatten(1));
-  }
-
-  torch::nn::Conv2d conv1;
-  torch::nn::BatchNorm2d bn1;
-  torch::nn::Conv2d conv2;
-  torch::nn::Linear fc;
-};
-TORCH_MODULE(Net);
+using fm::Net;
 
 struct Data {
   fm::Split train;

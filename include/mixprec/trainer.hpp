@@ -173,6 +173,7 @@ class Trainer {
       MasterWeights::check_params_of(params, optimizer);
     }
     device_type_ = params.front().device().type();
+    params_ = params;
     // All checks passed: from here on the model and optimizer change.
     if constexpr (P::cast_model) {
       std::vector<at::Tensor> fp32_values;
@@ -210,7 +211,9 @@ class Trainer {
                   "model's output inside loss_fn, not under NoGradGuard");
     if (pending_ == 0) zero_grads();
     // fp32 before scaling: a bf16/fp16 loss times 65536 loses digits or overflows.
-    const auto loss32 = loss.to(at::kFloat).reshape({});
+    const auto loss32 = loss.scalar_type() == at::kFloat && loss.dim() == 0
+                            ? loss
+                            : loss.to(at::kFloat).reshape({});
     const auto n = options_.accumulation_steps();
     const auto to_backprop = n > 1 ? loss32 / static_cast<double>(n) : loss32;
     StepReport report;
@@ -230,7 +233,11 @@ class Trainer {
     UnscaleOptions unscale;
     unscale.max_grad_norm(options_.max_grad_norm());
     if (masters_ && n == 1) unscale.grads_from(masters_->grad_sources());  // else in place
-    unscale.also_check(loss_sum_);  // a NaN loss can have finite gradients
+    // A NaN loss can have finite gradients. On the CPU the check is a read of one float; on a
+    // device it joins the gradients' inf check, without a synchronisation.
+    if (!loss_sum_.device().is_cpu() || !std::isfinite(loss_sum_.item<double>())) {
+      unscale.also_check(loss_sum_);
+    }
     loss_sum_ = at::Tensor();
     bool stepped = false;
     try {
@@ -344,7 +351,14 @@ class Trainer {
 
  private:
   void zero_grads() {
-    model_->zero_grad();
+    // What Module::zero_grad does, without rebuilding the named parameter list every step.
+    for (auto& p : params_) {
+      auto& grad = p.mutable_grad();
+      if (grad.defined()) {
+        grad = grad.detach();
+        grad.zero_();
+      }
+    }
     if (masters_) optimizer_->zero_grad();
   }
 
@@ -436,6 +450,7 @@ class Trainer {
   }
 
   std::shared_ptr<torch::nn::Module> model_;
+  std::vector<at::Tensor> params_;  // model_->parameters(), listed once
   torch::optim::Optimizer* optimizer_;
   TrainerOptions options_;
   scaler_type scaler_;
