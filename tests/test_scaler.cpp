@@ -608,7 +608,7 @@ TEST_CASE("state_dict interop with Python: torch::pickle_save -> torch.load, tor
   // The dict a Python GradScaler.state_dict() returns (1.13 has no CPU GradScaler to call).
   const int rc = system_python(
       "import torch\n"
-      "d = torch.load('" + from_cpp + "')\n"
+      "d = torch.load('" + from_cpp + "', weights_only=False)  # 2.6+ defaults to True\n"
       "assert d['scale'] == 512.0 and d['growth_interval'] == 100, d\n"
       "assert d['growth_factor'] == 2.0 and d['backoff_factor'] == 0.5 and d['_growth_tracker'] == 0, d\n"
       "torch.save({'scale': 2048.0, 'growth_factor': 4.0, 'backoff_factor': 0.25,\n"

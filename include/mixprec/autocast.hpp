@@ -7,6 +7,7 @@
 ///   }                              // previous autocast state restored, cast cache cleared
 
 #include <mixprec/concepts.hpp>
+#include <mixprec/detail/torch_version.hpp>
 #include <mixprec/error.hpp>
 
 #include <ATen/autocast_mode.h>
@@ -17,7 +18,7 @@
 namespace mixprec {
 namespace detail {
 
-#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 4)
+#if MIXPREC_TORCH_AT_LEAST(2, 4)
 #define MIXPREC_DEVICE_TYPED_AUTOCAST 1
 #else
 #define MIXPREC_DEVICE_TYPED_AUTOCAST 0
@@ -73,13 +74,12 @@ class AutocastGuard {
     if (enabled) {
       MIXPREC_CHECK(dtype == c10::ScalarType::Half || dtype == c10::ScalarType::BFloat16,
                     "autocast casts to Half or BFloat16, not ", c10::toString(dtype));
-#if !MIXPREC_DEVICE_TYPED_AUTOCAST
       // LibTorch 1.13's CPU autocast knows bf16 only; with Half it fails later, inside an op.
-      MIXPREC_CHECK(device != c10::DeviceType::CPU || dtype == c10::ScalarType::BFloat16,
+      MIXPREC_CHECK(detail::cpu_half_math || device != c10::DeviceType::CPU ||
+                        dtype == c10::ScalarType::BFloat16,
                     "CPU autocast in LibTorch ", TORCH_VERSION,
-                    " supports BFloat16 only: use MixedO1<at::BFloat16> on the CPU, or Half on "
-                    "a CUDA device");
-#endif
+                    " supports BFloat16 only: use MixedO1<at::BFloat16> on the CPU, Half on a "
+                    "CUDA device, or LibTorch >= 2.4 for Half on the CPU");
     }
     previous_ = detail::get_autocast_state(device);
     // Keep the previous dtype when disabling, as Python does, so nested guards restore exactly.

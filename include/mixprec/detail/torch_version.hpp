@@ -1,0 +1,18 @@
+#pragma once
+// The LibTorch version in use, for the few code paths that differ between 1.13 and 2.x.
+
+#include <torch/version.h>
+
+/// True when the LibTorch in use is at least major.minor.
+#define MIXPREC_TORCH_AT_LEAST(major, minor) \
+  (TORCH_VERSION_MAJOR > (major) ||          \
+   (TORCH_VERSION_MAJOR == (major) && TORCH_VERSION_MINOR >= (minor)))
+
+namespace mixprec::detail {
+
+// LibTorch 1.13's CPU kernels store float16 but compute nothing in it (mm, conv, softmax,
+// layer_norm, Adam all throw); 2.x computes it, and CPU autocast accepts it. 2.4 is where the
+// device-typed autocast API and CPU fp16 autocast meet; the Half policies need both.
+inline constexpr bool cpu_half_math = MIXPREC_TORCH_AT_LEAST(2, 4);
+
+}  // namespace mixprec::detail
