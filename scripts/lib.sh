@@ -1,5 +1,5 @@
 # Sourced by the scripts: installs the Debian packages a command needs, only those missing,
-# with one `apt-get update` at most.
+# with one `apt-get update` at most; picks the LibTorch to build against.
 mixprec_ensure_packages() {
   local missing=() package
   for package in "$@"; do
@@ -8,11 +8,62 @@ mixprec_ensure_packages() {
   [ ${#missing[@]} -eq 0 ] && return 0
   local sudo=""
   [ "$(id -u)" -ne 0 ] && sudo="sudo"
-  echo "mixprec: installing ${missing[*]}"
-  $sudo apt-get update
-  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y "${missing[@]}"
+  echo "mixprec: installing ${missing[*]}" >&2
+  $sudo apt-get update >&2
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y "${missing[@]}" >&2
 }
 
-# Everything the build, the tests, the examples and the demo use.
-MIXPREC_PACKAGES=(cmake ninja-build g++ ccache libtorch-dev doctest-dev python3-torch zlib1g-dev
-                  dataset-fashion-mnist)
+# Everything the build, the tests, the examples and the demo use. Debian's libtorch-dev and
+# python3-torch are the `system` LibTorch and its Python; the wheel needs python3-venv.
+MIXPREC_PACKAGES=(cmake ninja-build g++ ccache libtorch-dev doctest-dev python3-torch python3-venv
+                  zlib1g-dev dataset-fashion-mnist)
+
+# The LibTorch the scripts build against, chosen by MIXPREC_LIBTORCH:
+#   wheel  (default) the LibTorch inside PyPI's torch wheel, in a virtual environment build/venv
+#          that is created on first use and reused after;
+#   system Debian's libtorch-dev (1.13 on Debian 12, 2.x on Debian 13).
+# Sets MIXPREC_PRESET_PREFIX ("" or "system-"), MIXPREC_CMAKE_ARGS and MIXPREC_PYTHON (a Python
+# whose torch is the same version, for the parity and interop tests).
+MIXPREC_TORCH_WHEEL=torch==2.13.0
+mixprec_select_libtorch() {
+  case "${MIXPREC_LIBTORCH:-wheel}" in
+    wheel)
+      local venv=build/venv
+      MIXPREC_PYTHON="$PWD/$venv/bin/python"
+      local installed
+      installed=$("$MIXPREC_PYTHON" -c 'from importlib.metadata import version; print(version("torch"))' 2>/dev/null || true)
+      if [ "${installed%+*}" != "${MIXPREC_TORCH_WHEEL#torch==}" ]; then
+        echo "mixprec: installing $MIXPREC_TORCH_WHEEL into $venv" >&2
+        python3 -m venv "$venv"
+        "$venv/bin/pip" install --quiet --disable-pip-version-check "$MIXPREC_TORCH_WHEEL" >&2
+      fi
+      # The torch package directory, not torch.utils.cmake_prefix_path: as a prefix it also puts
+      # torch/lib first for TorchConfig's find_library, so a Debian libtorch.so in /usr/lib
+      # cannot be picked up beside the wheel's headers.
+      local torch_dir
+      torch_dir=$("$MIXPREC_PYTHON" -c 'import os, torch; print(os.path.dirname(torch.__file__))' 2>/dev/null)
+      MIXPREC_PRESET_PREFIX=""
+      MIXPREC_CMAKE_ARGS=(-DCMAKE_PREFIX_PATH="$torch_dir" -DMIXPREC_PYTHON="$MIXPREC_PYTHON")
+      ;;
+    system)
+      MIXPREC_PYTHON=/usr/bin/python3
+      MIXPREC_PRESET_PREFIX="system-"
+      MIXPREC_CMAKE_ARGS=(-DMIXPREC_PYTHON="$MIXPREC_PYTHON")
+      ;;
+    *)
+      echo "mixprec: MIXPREC_LIBTORCH must be 'wheel' (default) or 'system', got '$MIXPREC_LIBTORCH'" >&2
+      return 2
+      ;;
+  esac
+}
+
+# The preset for a build kind ("default" or "asan") under the selected LibTorch.
+mixprec_preset() {
+  if [ -z "$MIXPREC_PRESET_PREFIX" ]; then
+    echo "$1"
+  elif [ "$1" = default ]; then
+    echo system
+  else
+    echo "${MIXPREC_PRESET_PREFIX}$1"
+  fi
+}

@@ -2,6 +2,8 @@
 // Command line of the Fashion-MNIST demo: flags, defaults, validation, and the arguments the
 // parent process passes to the child that trains one policy.
 
+#include <mixprec/detail/torch_version.hpp>
+
 #include <array>
 #include <charconv>
 #include <cstdint>
@@ -19,6 +21,9 @@ namespace fashion_mnist {
 inline constexpr std::array<std::string_view, 4> kPolicyNames = {"FullPrecision", "MixedO1",
                                                                  "MixedO2", "PureHalf"};
 
+/// --dtype on the CPU by default: both precisions where LibTorch computes fp16 on the CPU.
+inline constexpr const char* kCpuDefaultDtype = mixprec::detail::cpu_half_math ? "both" : "bf16";
+
 /// Everything a run needs; parse_args fills it from the command line.
 struct Config {
   int epochs = 3;
@@ -28,7 +33,7 @@ struct Config {
   double lr = 0.05;
   std::string policy = "all";  // "all" or one of kPolicyNames
   std::string device = "cpu";  // "cpu" or "cuda"
-  std::string dtype = "bf16";  // "bf16" or "fp16": the Low of MixedO1/MixedO2/PureHalf
+  std::string dtype = "bf16";  // "bf16", "fp16" or "both": the Low of MixedO1/MixedO2/PureHalf
   std::string output = "docs/demo_loss.svg";
   std::uint64_t seed = 42;
   std::string data_dir = "/usr/share/datasets/fashion-mnist";
@@ -59,8 +64,9 @@ options:
   --lr X             peak SGD learning rate, cosine decay to 0, momentum 0.9 (default 0.05)
   --policy NAME      all | FullPrecision | MixedO1 | MixedO2 | PureHalf (or O0..O3; default all)
   --device D         cpu | cuda (default cpu)
-  --dtype T          bf16 | fp16: the low precision of the mixed policies (default bf16 on the
-                     CPU, fp16 on CUDA; LibTorch's CPU kernels lack fp16 convolutions)
+  --dtype T          bf16 | fp16 | both: the low precision of the mixed policies (default: both
+                     on the CPU with LibTorch >= 2.4, bf16 on the CPU with LibTorch 1.13, whose
+                     CPU kernels lack fp16 math; fp16 on CUDA)
   --output PATH      SVG plot of the loss curves and loss scales (default docs/demo_loss.svg;
                      "none" writes no plot)
   --seed N           seed of the model initialisation and the data order (default 42)
@@ -168,8 +174,8 @@ inline Config parse_args(const std::vector<std::string>& args) {
       }
     } else if (arg == "--dtype") {
       dtype = value();
-      if (*dtype != "bf16" && *dtype != "fp16") {
-        throw CliError("--dtype: expected bf16 or fp16, got '" + *dtype + "'");
+      if (*dtype != "bf16" && *dtype != "fp16" && *dtype != "both") {
+        throw CliError("--dtype: expected bf16, fp16 or both, got '" + *dtype + "'");
       }
     } else if (arg == "--output") {
       config.output = value();
@@ -185,7 +191,7 @@ inline Config parse_args(const std::vector<std::string>& args) {
   config.epochs = epochs.value_or(config.smoke ? 2 : config.epochs);
   config.train_size = train_size.value_or(config.smoke ? 512 : config.train_size);
   config.test_size = test_size.value_or(config.smoke ? 1000 : config.test_size);
-  config.dtype = dtype.value_or(config.device == "cuda" ? "fp16" : "bf16");
+  config.dtype = dtype.value_or(config.device == "cuda" ? "fp16" : kCpuDefaultDtype);
   if (config.train_size > 60000) {
     throw CliError("--train-size: Fashion-MNIST has 60000 training images, got " +
                    std::to_string(config.train_size));
@@ -194,13 +200,13 @@ inline Config parse_args(const std::vector<std::string>& args) {
     throw CliError("--test-size: Fashion-MNIST has 10000 test images, got " +
                    std::to_string(config.test_size));
   }
-  if (config.device == "cpu" && config.dtype == "fp16") {
-    throw CliError(
-        "--dtype fp16 needs --device cuda: LibTorch's CPU kernels have no fp16 convolution, "
-        "matmul or softmax (\"not implemented for 'Half'\"); use --dtype bf16 on the CPU");
+  if (!mixprec::detail::cpu_half_math && config.device == "cpu" && config.dtype != "bf16") {
+    throw CliError("--dtype " + config.dtype + " needs --device cuda or LibTorch >= 2.4: the "
+                   "CPU kernels of LibTorch " TORCH_VERSION " have no fp16 convolution, matmul or "
+                   "softmax (\"not implemented for 'Half'\"); use --dtype bf16 on the CPU");
   }
-  if (!config.result_file.empty() && config.policy == "all") {
-    throw CliError("--result-file trains one policy: give --policy too");
+  if (!config.result_file.empty() && (config.policy == "all" || config.dtype == "both")) {
+    throw CliError("--result-file trains one policy in one dtype: give --policy and --dtype too");
   }
   return config;
 }

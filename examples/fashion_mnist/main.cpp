@@ -31,6 +31,8 @@
 #include <random>
 #include <string>
 #include <string_view>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "cli.hpp"
@@ -47,6 +49,10 @@ namespace {
 namespace fm = fashion_mnist;
 
 using fm::Net;
+
+// The GradScaler settings of the fp16 policies.
+constexpr double kInitScale = 16777216.0;  // 2^24
+constexpr std::int64_t kGrowthInterval = 250;
 
 struct Data {
   fm::Split train;
@@ -85,13 +91,6 @@ double test_accuracy(TrainerT& trainer, Net& model, const fm::Split& test, torch
 template <class Policy>
 fm::PolicyResult run_policy(const fm::Config& config, const Data& data) {
   const torch::Device device(config.device == "cuda" ? torch::kCUDA : torch::kCPU);
-  if constexpr (Policy::low_dtype == c10::ScalarType::Half) {
-    if (!device.is_cuda()) {
-      throw std::runtime_error(std::string(Policy::name) +
-                               ": LibTorch's CPU kernels have no fp16 convolution or matmul; "
-                               "use BFloat16 on the CPU (--dtype bf16) or --device cuda");
-    }
-  }
   const std::string name(Policy::name);
   fm::PolicyResult result;
   result.policy = name;
@@ -115,6 +114,11 @@ fm::PolicyResult run_policy(const fm::Config& config, const Data& data) {
                   " skipped (inf/NaN gradients) at loss scale " + fixed(report.scale, 1));
     }
   });
+  if constexpr (std::is_same_v<typename Policy::scaler_type, mixprec::GradScaler>) {
+    // Above PyTorch's 2^16 and growing every 250 clean steps (PyTorch: 2000), so that the few
+    // thousand steps of the demo show the dynamic scale at work: backoffs first, growth later.
+    options.scaler(mixprec::GradScalerOptions().init_scale(kInitScale).growth_interval(kGrowthInterval));
+  }
   mixprec::Trainer<Policy> trainer(model, optimizer, options);
   std::int64_t iteration = 0;
 
@@ -322,7 +326,10 @@ void write_plot(const fm::Config& config, const std::vector<fm::PolicyResult>& r
   if (all_one) {
     scales.note =
         "every policy ran at scale 1: bfloat16 has fp32's exponent range and needs no loss "
-        "scaling (fp16 on CUDA uses a dynamic GradScaler)";
+        "scaling (fp16 uses a dynamic GradScaler)";
+  } else {
+    scales.note = "fp16 MixedO1/MixedO2: GradScaler from 2^24, halved on overflow, doubled after " +
+                  std::to_string(kGrowthInterval) + " clean steps; the others run at scale 1";
   }
   fm::svg::Figure figure{"Fashion-MNIST, " + std::to_string(config.train_size) + " images x " +
                              plural(config.epochs, "epoch") + ", seed " +
@@ -354,24 +361,36 @@ int run_parent(const fm::Config& config) {
   if (config.device == "cuda" && !torch::cuda::is_available()) {
     throw std::runtime_error("--device cuda: this LibTorch has no CUDA device available");
   }
-  std::vector<std::string> policies;
-  for (const auto name : fm::kPolicyNames) {
-    if (config.policy == "all" || config.policy == name) {
-      policies.emplace_back(name);
+  // FullPrecision once, then the mixed policies in each low precision asked for.
+  std::vector<std::string> dtypes;
+  if (config.dtype == "both") {
+    dtypes = {"bf16", "fp16"};
+  } else {
+    dtypes = {config.dtype};
+  }
+  std::vector<std::pair<std::string, std::string>> runs;  // (policy, dtype)
+  for (const auto& dtype : dtypes) {
+    for (const auto name : fm::kPolicyNames) {
+      const bool once = name == "FullPrecision" && dtype != dtypes.front();
+      if ((config.policy == "all" || config.policy == name) && !once) {
+        runs.emplace_back(name, dtype);
+      }
     }
   }
   const bool can_spawn = std::filesystem::exists("/proc/self/exe");
   std::optional<Data> data;  // only without /proc: then all policies share this process
   std::vector<fm::PolicyResult> results;
   const auto start = std::chrono::steady_clock::now();
-  for (const auto& policy : policies) {
+  for (const auto& [policy, dtype] : runs) {
+    fm::Config run = config;
+    run.dtype = dtype;
     if (can_spawn) {
-      results.push_back(run_in_child(policy, config));
+      results.push_back(run_in_child(policy, run));
     } else {
       if (!data) {
         data = load_data(config);
       }
-      results.push_back(run_in_process(policy, config, *data));
+      results.push_back(run_in_process(policy, run, *data));
     }
   }
   const double total =
@@ -381,8 +400,13 @@ int run_parent(const fm::Config& config) {
             << " test images, " << plural(config.epochs, "epoch") << ", batch " << config.batch_size
             << ", SGD lr " << config.lr << " (cosine decay) momentum 0.9, seed " << config.seed
             << ", device " << config.device << ", low precision " << config.dtype << ", "
-            << torch::get_num_threads() << " threads\n\n"
+            << torch::get_num_threads() << " threads, LibTorch " << TORCH_VERSION
+            << "; fp16 GradScaler: init 2^24, growth every " << kGrowthInterval << " steps\n\n"
             << fm::format_table(results) << "\n"
+            << (config.device == "cpu" && !mixprec::detail::cpu_half_math
+                    ? "No Half policies: the CPU kernels of LibTorch " TORCH_VERSION " compute no "
+                      "fp16 (the default LibTorch 2.x of ./scripts/demo does).\n"
+                    : "")
             << "Total " << fixed(total, 1) << " s. Peak RSS: each policy in its own process"
             << (can_spawn ? "" : " (no /proc: all in one process, peaks accumulate)")
             << "; training peak: peak RSS during training and evaluation minus RSS before.\n";

@@ -112,6 +112,19 @@ typename P::scaler_type make_scaler(const TrainerOptions& options) {
   }
 }
 
+// Before anything is cast: a Half policy on a CPU model needs a LibTorch that computes fp16 there.
+template <class P>
+void check_half_math(const torch::nn::Module& model) {
+  if constexpr (P::low_dtype == c10::ScalarType::Half && !cpu_half_math) {
+    for (const auto& p : model.parameters()) {
+      MIXPREC_CHECK(!p.device().is_cpu(), "Trainer<", P::name, ">: LibTorch ", TORCH_VERSION,
+                    " has no fp16 math on the CPU (matmul, conv, softmax, Adam throw for Half): "
+                    "use ", P::name.substr(0, P::name.find('<')), "<at::BFloat16> on the CPU, "
+                    "Half on a CUDA device, or LibTorch >= 2.4");
+    }
+  }
+}
+
 // Restores train/eval mode on scope exit.
 class TrainingModeGuard {
  public:
@@ -150,6 +163,7 @@ class Trainer {
         options_(std::move(options)),
         scaler_(detail::make_scaler<P>(options_)) {
     MIXPREC_CHECK(model_ != nullptr, "Trainer got a null model");
+    detail::check_half_math<P>(*model_);
     MIXPREC_CHECK(options_.accumulation_steps() >= 1,
                   "TrainerOptions::accumulation_steps must be >= 1, got ",
                   options_.accumulation_steps());

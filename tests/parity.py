@@ -1,0 +1,62 @@
+"""PyTorch's own AMP recipe, step by step, for tests/test_parity.cpp to compare against.
+
+    python parity.py MODE INPUT OUTPUT
+
+MODE is fp32 (plain), bf16 (torch.autocast on the CPU) or fp16 (torch.autocast + the CPU
+GradScaler). INPUT is a torch::pickle_save dict from the C++ side: the initial weights
+(param.NAME), the data (x, y) and the hyperparameters (steps, batch, lr, momentum, and for fp16
+init_scale, growth_interval). OUTPUT gets one line per step: "loss scale skipped", the loss as
+repr() of the fp32 value, the scale the step used, and 1 when the step was skipped.
+"""
+import sys
+
+import torch
+
+
+def build_model():
+    # The same architecture and parameter names as the C++ torch::nn::Sequential.
+    return torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64),
+                               torch.nn.ReLU(), torch.nn.Linear(64, 4))
+
+
+def main(mode, input_path, output_path):
+    torch.set_num_threads(1)
+    data = torch.load(input_path, weights_only=False)
+    model = build_model()
+    model.load_state_dict({k[len("param."):]: v for k, v in data.items() if k.startswith("param.")})
+    x, y = data["x"], data["y"]
+    steps, batch = int(data["steps"]), int(data["batch"])
+    # foreach=False: the per-tensor loop of LibTorch's torch::optim::SGD.
+    optimizer = torch.optim.SGD(model.parameters(), lr=float(data["lr"]),
+                                momentum=float(data["momentum"]), foreach=False)
+    scaler = None
+    if mode == "fp16":
+        scaler = torch.amp.GradScaler("cpu", init_scale=float(data["init_scale"]),
+                                      growth_interval=int(data["growth_interval"]))
+    dtype = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[mode]
+    rows = x.shape[0]
+    with open(output_path, "w") as out:
+        for step in range(steps):
+            start = (step * batch) % rows
+            xb, yb = x[start:start + batch], y[start:start + batch]
+            optimizer.zero_grad()
+            with torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
+                loss = torch.nn.functional.cross_entropy(model(xb), yb)
+            loss = loss.float()
+            if scaler is None:
+                loss.backward()
+                skipped = not all(torch.isfinite(p.grad).all() for p in model.parameters())
+                if not skipped:
+                    optimizer.step()
+                scale = 1.0
+            else:
+                scale = scaler.get_scale()
+                scaler.scale(loss).backward()
+                scaler.step(optimizer)
+                scaler.update()
+                skipped = scaler.get_scale() < scale  # PyTorch backs off exactly on a skip
+            out.write(f"{loss.item()!r} {scale!r} {int(skipped)}\n")
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:4])

@@ -1,0 +1,57 @@
+// Half policies on the CPU. LibTorch 2.x computes fp16 there, so dynamic loss scaling runs end to
+// end with real overflows and underflows (the cases shared with the CUDA suite, device_cases.hpp).
+// LibTorch 1.13 has no CPU fp16 math: there every Half policy is a clear Error, raised before the
+// model or the optimizer is touched.
+#include <mixprec/mixprec.hpp>
+
+#include "device_cases.hpp"
+#include "support.hpp"
+
+#include <torch/torch.h>
+
+#include <doctest/doctest.h>
+
+namespace mp = mixprec;
+
+#if MIXPREC_TORCH_AT_LEAST(2, 4)
+
+TEST_CASE_TEMPLATE("Half policies train end to end on the CPU", P, mp::MixedO1<at::Half>,
+                   mp::MixedO2<at::Half>, mp::PureHalf<at::Half>) {
+  test::trains_end_to_end<P>(torch::kCPU);
+}
+
+TEST_CASE("MixedO2<Half> on the CPU with accumulation and clipping") {
+  test::trains_end_to_end<mp::MixedO2<at::Half>>(
+      torch::kCPU, mp::TrainerOptions().accumulation_steps(2).max_grad_norm(1.0));
+}
+
+TEST_CASE_TEMPLATE("real fp16 overflow on the CPU: backs off through skipped steps", P,
+                   mp::MixedO1<at::Half>, mp::MixedO2<at::Half>) {
+  test::backs_off_from_real_overflow<P>(torch::kCPU);
+}
+
+TEST_CASE_TEMPLATE("real fp16 underflow on the CPU: lost unscaled, rescued by the scaler", P,
+                   mp::MixedO1<at::Half>, mp::MixedO2<at::Half>) {
+  test::rescues_real_underflow<P>(torch::kCPU);
+}
+
+TEST_CASE("the scale grows after growth_interval clean fp16 steps on the CPU") {
+  test::grows_after_clean_steps<mp::MixedO1<at::Half>>(torch::kCPU);
+}
+
+#else
+
+TEST_CASE_TEMPLATE("Half policies on a CPU without fp16 math: an Error before anything changes", P,
+                   mp::MixedO1<at::Half>, mp::MixedO2<at::Half>, mp::PureHalf<at::Half>) {
+  auto model = test::half_mlp(torch::kCPU);
+  torch::optim::SGD sgd(model->parameters(), torch::optim::SGDOptions(0.1));
+  const auto before = test::snapshot(model->parameters());
+  CHECK_THROWS_WITH_AS(mp::Trainer<P>(model, sgd), doctest::Contains("no fp16 math on the CPU"),
+                       mp::Error);
+  CHECK(test::identical(test::snapshot(model->parameters()), before));  // dtypes included
+  CHECK(sgd.param_groups().front().params().front().is_same(model->parameters().front()));
+}
+
+#endif
+
+TEST_CASE("the scale update never grows to inf on the CPU") { test::never_grows_to_inf(torch::kCPU); }
