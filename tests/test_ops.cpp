@@ -9,6 +9,7 @@
 #include <limits>
 #include <mixprec/autocast.hpp>
 #include <mixprec/ops.hpp>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -37,32 +38,48 @@ double epsilon_of(at::ScalarType dtype) {
 
 bool all_finite(const at::Tensor& t) { return at::isfinite(t).all().item<bool>(); }
 
-// |actual - expected| <= 8 eps (1 + |expected|), eps of the actual dtype but at least fp32's
-// (Half and BFloat16 are computed in fp32, then rounded once).
-void check_close(const at::Tensor& actual, const at::Tensor& expected) {
-  REQUIRE(actual.sizes() == expected.sizes());
-  const double eps = std::max(epsilon_of(actual.scalar_type()), epsilon_of(at::kFloat));
+// How far |actual - expected| exceeds what an op computed in fp32 (fp64 for fp64 output) and
+// rounded once to the output dtype may be off: 8 eps of the computation (1 + |expected|), plus
+// half an ulp of the output dtype (0.5 eps |expected|). Positive: too far. An op computed in bf16
+// (several roundings), or fp64 computed through fp32, exceeds it.
+double excess_error(const at::Tensor& actual, const at::Tensor& expected) {
+  const auto output = actual.scalar_type();
+  const double compute = epsilon_of(output == at::kDouble ? at::kDouble : at::kFloat);
   const auto a = actual.detach().to(at::kDouble);
   const auto e = expected.detach().to(at::kDouble);
-  const auto excess = (a - e).abs() - 8 * eps * (1 + e.abs());
-  INFO("actual ", a, "\nexpected ", e);
-  CHECK(excess.max().item<double>() <= 0);
+  const auto tolerance = 8 * compute * (1 + e.abs()) + 0.5 * epsilon_of(output) * e.abs();
+  return ((a - e).abs() - tolerance).max().item<double>();
 }
 
-// The masked rows used throughout: a partial row, a full row, an empty row, a single entry.
+// `expected` is computed in fp64 from the inputs as the op saw them (rounded to their dtype).
+void check_close(const at::Tensor& actual, const at::Tensor& expected) {
+  REQUIRE(actual.sizes() == expected.sizes());
+  INFO("actual ", actual, "\nexpected ", expected.to(at::kDouble));
+  CHECK(excess_error(actual, expected) <= 0);
+}
+
+// The masked rows used throughout: a partial row, a full row, an empty row, a single entry,
+// then 60 random rows, enough for a result rounded twice to show up against the tolerance.
 at::Tensor row_mask() {
-  return at::tensor({1, 0, 1, 1, 0, 1,  //
-                     1, 1, 1, 1, 1, 1,  //
-                     0, 0, 0, 0, 0, 0,  //
-                     0, 0, 0, 1, 0, 0})
-      .view({4, 6})
-      .to(at::kBool);
+  at::manual_seed(6);
+  const auto special = at::tensor({1, 0, 1, 1, 0, 1,  //
+                                   1, 1, 1, 1, 1, 1,  //
+                                   0, 0, 0, 0, 0, 0,  //
+                                   0, 0, 0, 1, 0, 0})
+                           .view({4, 6})
+                           .to(at::kBool);
+  return at::cat({special, at::rand({60, 6}) > 0.3});
 }
 
 // Values exact in every dtype (multiples of 1/8 below 32), so all dtypes see the same input.
 at::Tensor row_values() {
   at::manual_seed(5);
-  return (at::randn({4, 6}) * 16).round() / 8;
+  return ((at::randn({64, 6}) * 16).round() / 8).clamp(-31, 31);
+}
+
+at::ScalarType expected_output(bool autocast, at::ScalarType input) {
+  const bool reduced = input == at::kHalf || input == at::kBFloat16;
+  return autocast && reduced ? at::kFloat : input;
 }
 
 /// A masked op along dim 1 of a [rows, n] vector, with what it means on the kept entries.
@@ -78,6 +95,7 @@ struct MaskedOp {
 template <class P>
 std::vector<MaskedOp> masked_ops(at::ScalarType dtype) {
   const double lowest = ops::min_value_of_dtype(dtype);
+  const double lowest_out = ops::min_value_of_dtype(expected_output(P::autocast, dtype));
   using T = const at::Tensor&;
   return {
       {"masked_softmax", [](T x, T m) { return ops::masked_softmax<P>(x, m, 1); },
@@ -86,7 +104,7 @@ std::vector<MaskedOp> masked_ops(at::ScalarType dtype) {
        [](T x, T m) { return ops::masked_softmax<P>(x, m, 1, true); },
        [](T k) { return at::softmax(k, 0); }, false, 0.0, not_a_number},
       {"masked_log_softmax", [](T x, T m) { return ops::masked_log_softmax<P>(x, m, 1); },
-       [](T k) { return at::log_softmax(k, 0); }, false, 0.0, 0.0},
+       [](T k) { return at::log_softmax(k, 0); }, false, lowest_out, lowest_out},
       {"masked_max", [](T x, T m) { return ops::masked_max<P>(x, m, 1); },
        [](T k) { return k.amax(0); }, true, 0.0, lowest},
       {"masked_mean", [](T x, T m) { return ops::masked_mean<P>(x, m, 1); },
@@ -115,11 +133,6 @@ at::Tensor per_row_reference(const MaskedOp& op, const at::Tensor& x, const at::
     }
   }
   return at::stack(rows);
-}
-
-at::ScalarType expected_output(bool autocast, at::ScalarType input) {
-  const bool reduced = input == at::kHalf || input == at::kBFloat16;
-  return autocast && reduced ? at::kFloat : input;
 }
 
 }  // namespace
@@ -206,13 +219,15 @@ TEST_CASE("regression: the fp32-era constants are what break fp16") {
     CHECK(at::isnan(softmax(vector + (1 - m) * half_const(big))).all().item<bool>());
   }
   // LibTorch's own masked_fill refuses such a value for Half (a crash, which is fine)...
-  CHECK_THROWS(vector.masked_fill(mask.logical_not(), -1e32));
+  // (c10's report_overflow throws a std::runtime_error, not a c10::Error.)
+  CHECK_THROWS_WITH_AS(vector.masked_fill(mask.logical_not(), -1e32),
+                       doctest::Contains("without overflow"), std::runtime_error);
 
   // ...and none of the ops uses them: the same fully masked row gives zeros (max: fp16's lowest).
   CHECK(at::equal(ops::masked_softmax(vector, mask), at::zeros({1, 3}, at::kHalf)));
   CHECK(
       at::equal(ops::masked_softmax(vector, mask, -1, true), at::full({1, 3}, 1.0 / 3, at::kHalf)));
-  CHECK(at::equal(ops::masked_log_softmax(vector, mask), at::zeros({1, 3}, at::kHalf)));
+  CHECK(at::equal(ops::masked_log_softmax(vector, mask), at::full({1, 3}, -65504.0, at::kHalf)));
   CHECK(at::equal(ops::masked_mean(vector, mask, 1), at::zeros({1}, at::kHalf)));
   CHECK(at::equal(ops::logsumexp(vector, mask, 1), at::zeros({1}, at::kHalf)));
   CHECK(ops::masked_max(vector, mask, 1).item<double>() == -65504.0);
@@ -283,7 +298,8 @@ TEST_CASE("no NaN even inside backward: anomaly detection stays quiet") {
     // It would catch the -inf composite on a fully masked row:
     const auto x = at::zeros({1, 3}).requires_grad_();
     const auto y = at::softmax(x.masked_fill(at::ones({1, 3}, at::kBool), -inf), -1);
-    CHECK_THROWS(y.backward(at::ones_like(y)));
+    CHECK_THROWS_WITH_AS(y.backward(at::ones_like(y)), doctest::Contains("returned nan values"),
+                         c10::Error);
   }
   const auto keep = row_mask();
   for (const auto dtype : float_dtypes) {
@@ -340,7 +356,8 @@ TEST_CASE("fully masked rows and empty dimensions") {
     const auto none = at::zeros({2, 3, 4}, at::kBool);
     CHECK(at::equal(ops::masked_softmax(x, none), at::zeros_like(x)));
     CHECK(at::equal(ops::masked_softmax(x, none, 1, true), at::full_like(x, 1.0 / 3)));
-    CHECK(at::equal(ops::masked_log_softmax(x, none, 0), at::zeros_like(x)));
+    CHECK(at::equal(ops::masked_log_softmax(x, none, 0),
+                    at::full_like(x, ops::min_value_of_dtype(dtype))));
     CHECK(at::equal(ops::masked_mean(x, none, 2, true), at::zeros({2, 3, 1}, dtype)));
     CHECK(at::equal(ops::logsumexp(x, none, 1), at::zeros({2, 4}, dtype)));
     CHECK(at::equal(ops::masked_max(x, none, 1),
@@ -537,8 +554,6 @@ TEST_CASE("layer_norm computes Half and BFloat16 in fp32") {
   at::manual_seed(6);
   const auto x32 = (at::randn({4, 16}) * 300).round();  // squares far beyond fp16's 65504
   const auto weight = at::randn({16}), bias = at::randn({16});
-  const auto expected =
-      at::layer_norm(x32.to(at::kDouble), {16}, weight.to(at::kDouble), bias.to(at::kDouble));
   // A naive fp16 variance overflows.
   CHECK_FALSE(all_finite(x32.to(at::kHalf).pow(2).mean(-1)));
   for (const auto dtype : float_dtypes) {
@@ -546,9 +561,12 @@ TEST_CASE("layer_norm computes Half and BFloat16 in fp32") {
     const auto x = x32.to(dtype).detach().requires_grad_();
     // fp32 parameters (MixedO2 keeps norms fp32) and low-precision ones (PureHalf) both work.
     for (const auto& w : {weight, weight.to(dtype)}) {
-      const auto y = ops::layer_norm(x, {16}, w.detach().requires_grad_(), bias.to(dtype));
+      const auto b = bias.to(dtype);
+      const auto y = ops::layer_norm(x, {16}, w.detach().requires_grad_(), b);
       CHECK(y.scalar_type() == dtype);
-      check_close(y, expected.to(dtype));
+      // The reference sees the inputs as rounded to the dtype.
+      const auto d = [](const at::Tensor& t) { return t.detach().to(at::kDouble); };
+      check_close(y, at::layer_norm(d(x), {16}, d(w), d(b)));
       y.sum().backward();
       CHECK(all_finite(x.grad()));
       x.mutable_grad().reset();
@@ -559,8 +577,8 @@ TEST_CASE("layer_norm computes Half and BFloat16 in fp32") {
   }
 }
 
-TEST_CASE_TEMPLATE("the output dtype follows the policy; no NaN or inf under any policy", P,
-                   mp::FullPrecision, mp::MixedO1<at::BFloat16>, mp::MixedO1<at::Half>,
+TEST_CASE_TEMPLATE("the output dtype and values follow the policy; no NaN or inf under any policy",
+                   P, mp::FullPrecision, mp::MixedO1<at::BFloat16>, mp::MixedO1<at::Half>,
                    mp::MixedO2<at::BFloat16>, mp::MixedO2<at::Half>, mp::PureHalf<at::BFloat16>,
                    mp::PureHalf<at::Half>) {
   const auto keep = row_mask();
@@ -573,16 +591,111 @@ TEST_CASE_TEMPLATE("the output dtype follows the policy; no NaN or inf under any
       const auto y = op.run(x, keep);
       CHECK(y.scalar_type() == output);
       CHECK(all_finite(y));
+      // Values to the output dtype's rounding: an fp32 output under MixedO1 must not have been
+      // computed in the input's 16 bits.
+      const auto x_ref = x.detach().to(at::kDouble).requires_grad_();
+      const auto y_ref = per_row_reference(op, x_ref, keep);
+      check_close(y, y_ref);
       y.sum().backward();
+      y_ref.sum().backward();
       CHECK(all_finite(x.grad()));
       CHECK(x.grad().scalar_type() == dtype);
+      check_close(x.grad(), x_ref.grad());
     }
     const auto x = row_values().to(dtype);
-    CHECK(ops::logsumexp<P>(x, 1).scalar_type() == output);
-    CHECK(ops::layer_norm<P>(x, {6}).scalar_type() == output);
-    CHECK(ops::sequence_cross_entropy_with_logits<P>(
-              x.view({2, 2, 6}), at::zeros({2, 2}, at::kLong), at::ones({2, 2}, at::kBool))
-              .scalar_type() == output);
+    const auto x64 = x.to(at::kDouble);
+    const auto lse = ops::logsumexp<P>(x, 1);
+    CHECK(lse.scalar_type() == output);
+    check_close(lse, at::logsumexp(x64, 1));
+    const auto ln = ops::layer_norm<P>(x, {6});
+    CHECK(ln.scalar_type() == output);
+    check_close(ln, at::layer_norm(x64, {6}));
+    const auto ce = ops::sequence_cross_entropy_with_logits<P>(
+        x.view({32, 2, 6}), at::zeros({32, 2}, at::kLong), at::ones({32, 2}, at::kBool));
+    CHECK(ce.scalar_type() == output);
+    check_close(ce, -at::log_softmax(x64, -1).select(-1, 0).mean());
+  }
+}
+
+TEST_CASE("the tolerance has teeth: it rejects an op rounded in 16 bits or fp64 through fp32") {
+  const auto keep = row_mask();
+  const auto x = row_values().masked_fill(keep.logical_not(), -inf);
+  const auto reference = at::softmax(x.to(at::kDouble), 1).nan_to_num(0);
+  for (const auto dtype : {at::kHalf, at::kBFloat16}) {
+    INFO(std::string(c10::toString(dtype)));
+    // Computed in fp32, rounded once: within tolerance.
+    CHECK(excess_error(at::softmax(x, 1).nan_to_num(0).to(dtype), reference) <= 0);
+    // exp, sum and division each rounded to 16 bits (as 16-bit arithmetic would): beyond it.
+    const auto round = [&](const at::Tensor& t) { return t.to(dtype).to(at::kFloat); };
+    const auto e = round((x - x.amax(1, true)).exp());
+    CHECK(excess_error(round(e / round(e.sum(1, true))).nan_to_num(0).to(dtype), reference) > 0);
+  }
+  CHECK(excess_error(at::softmax(x, 1).nan_to_num(0).to(at::kDouble), reference) > 0);
+  CHECK(excess_error(at::softmax(x.to(at::kDouble), 1).nan_to_num(0), reference) <= 0);
+}
+
+TEST_CASE("masked_log_softmax is the log of masked_softmax: exp() of it gives it back") {
+  // Beam search and top-k over log-probabilities need masked entries to be very unlikely, not
+  // probability exp(0) = 1; and finite, so no inf - inf turns into NaN.
+  const auto keep = row_mask();
+  for (const auto dtype : float_dtypes) {
+    INFO(std::string(c10::toString(dtype)));
+    const auto x = row_values().masked_fill(keep.logical_not(), 1e5).to(dtype).requires_grad_();
+    const auto check = [&](const at::Tensor& log_probs, const at::Tensor& probs) {
+      CHECK(all_finite(log_probs));
+      const double lowest = ops::min_value_of_dtype(log_probs.scalar_type());
+      const auto masked = keep.logical_not();
+      CHECK(at::equal(log_probs.masked_select(masked),
+                      at::full({masked.sum().item<int64_t>()}, lowest, log_probs.options())));
+      const auto exp = log_probs.to(at::kDouble).exp();
+      CHECK(at::equal(exp.masked_select(masked), at::zeros({masked.sum().item<int64_t>()},
+                                                           at::kDouble)));
+      if (log_probs.scalar_type() == at::kFloat || log_probs.scalar_type() == at::kDouble) {
+        check_close(exp.to(log_probs.scalar_type()), probs);
+      } else {
+        // exp() turns the half ulp of a 16-bit log-probability into a relative error of
+        // |log p| * eps / 2, and the probabilities' own rounding adds eps / 2.
+        const auto bound =
+            (1 + log_probs.to(at::kDouble).abs()) * epsilon_of(log_probs.scalar_type());
+        CHECK(((exp - probs.to(at::kDouble)).abs() <= bound * probs.to(at::kDouble) + 1e-6)
+                  .all()
+                  .item<bool>());
+      }
+      // The k most likely entries of a row are its k kept ones.
+      const auto kept = keep.sum(1, true);
+      const auto ranks = log_probs.argsort(int64_t{1}, /*descending=*/true).argsort(int64_t{1});
+      CHECK(at::equal(ranks < kept, keep));
+    };
+    check(ops::masked_log_softmax(x, keep), ops::masked_softmax(x, keep));
+    check(ops::masked_log_softmax<mp::MixedO1<at::BFloat16>>(x, keep),
+          ops::masked_softmax<mp::MixedO1<at::BFloat16>>(x, keep));
+    // Masked entries are constants: whatever arrives there, nothing flows back.
+    ops::masked_log_softmax(x, keep).sum().backward();
+    CHECK(at::equal(x.grad().masked_select(keep.logical_not()),
+                    at::zeros({keep.logical_not().sum().item<int64_t>()}, dtype)));
+    CHECK(all_finite(x.grad()));
+  }
+}
+
+TEST_CASE("masked_max: kept entries that are all -inf give -inf; masked ones never win") {
+  for (const auto dtype : float_dtypes) {
+    INFO(std::string(c10::toString(dtype)));
+    // Row 0: kept -inf only (the masked entry holds 5). Row 1: fully masked. Row 2: kept -inf
+    // and a kept lowest value. Row 3: a masked entry holds the lowest, the kept max is -inf.
+    const double lowest = ops::min_value_of_dtype(dtype);
+    const auto x = at::tensor({-inf, 5.0, -inf, 1.0, 2.0, 3.0, -inf, lowest, 4.0, -inf, lowest, -inf})
+                       .to(dtype)
+                       .view({4, 3})
+                       .requires_grad_();
+    const auto keep = at::tensor({1, 0, 1, 0, 0, 0, 1, 1, 0, 1, 0, 1}).view({4, 3}).to(at::kBool);
+    const auto y = ops::masked_max(x, keep, 1);
+    CHECK(at::equal(y, at::tensor({-inf, lowest, lowest, -inf}).to(dtype)));
+    CHECK(at::equal(ops::masked_max<mp::MixedO1<at::BFloat16>>(x, keep, 1),
+                    at::tensor({-inf, lowest, lowest, -inf}).to(expected_output(true, dtype))));
+    y.sum().backward();
+    CHECK(all_finite(x.grad()));
+    CHECK(at::equal(x.grad().masked_select(keep.logical_not()), at::zeros({6}, dtype)));
+    CHECK(x.grad()[2][1].item<double>() == 1.0);  // the kept lowest is the max of row 2
   }
 }
 

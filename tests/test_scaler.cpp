@@ -9,10 +9,13 @@
 
 #include <doctest/doctest.h>
 
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
 #include <limits>
+#include <stdexcept>
+#include <string>
 #include <vector>
 
 namespace mp = mixprec;
@@ -109,7 +112,7 @@ TEST_CASE("hysteresis follows Megatron-LM: overflows tolerated until it runs out
   // hysteresis 2, interval 3: the first overflow after a refill costs nothing but the tracker.
   const auto options = mp::GradScalerOptions().init_scale(8).growth_interval(3).hysteresis(2);
   const int overflow[] = {1, 0, 1, 1, 0, 0, 0, 1, 0, 0, 0, 1, 1};
-  // hysteresis left after each step:  1 1 0 -1 -1 -1 2 1 1 1 2 1 0
+  const int hysteresis_left[] = {1, 1, 0, -1, -1, -1, 2, 1, 1, 1, 2, 1, 0};
   const float scales[] = {8, 8, 4, 2, 2, 2, 4, 4, 4, 4, 8, 8, 4};
   const int trackers[] = {0, 1, 0, 0, 1, 2, 0, 0, 1, 2, 0, 0, 0};
   mp::detail::ScaleState s{8.0F, 0, 2};
@@ -117,6 +120,21 @@ TEST_CASE("hysteresis follows Megatron-LM: overflows tolerated until it runs out
     s = mp::detail::next_scale(s, overflow[i] != 0, options);
     CHECK(s.scale == scales[i]);
     CHECK(s.growth_tracker == trackers[i]);
+    CHECK(s.hysteresis_tracker == hysteresis_left[i]);
+  }
+  // The same trace through scale, backward, step and update, with real gradients.
+  auto w = torch::ones({3}, torch::requires_grad());
+  auto opt = sgd_over({w}, 0.0);
+  mp::GradScaler scaler(options);
+  for (int i = 0; i < 13; ++i) {
+    opt.zero_grad();
+    scaler.scale((w * 2).sum()).backward();
+    if (overflow[i]) w.mutable_grad()[1] = kNaN;
+    CHECK(scaler.step(opt) == (overflow[i] == 0));
+    scaler.update();
+    CHECK(scaler.get_scale() == scales[i]);
+    CHECK(scaler.growth_tracker() == trackers[i]);
+    CHECK(scaler.hysteresis_tracker() == hysteresis_left[i]);
   }
   // With hysteresis 1 the same sequence is PyTorch's: every overflow backs off.
   mp::detail::ScaleState p{8.0F, 0, 1};
@@ -135,6 +153,22 @@ TEST_CASE("min_scale and max_scale bound the scale; it never grows to inf") {
     CHECK(s.scale == 2.0F);
     for (int i = 0; i < 5; ++i) s = mp::detail::next_scale(s, false, options);
     CHECK(s.scale == 8.0F);
+  }
+  SUBCASE("bounds through update(), with real gradients") {
+    auto w = torch::ones({3}, torch::requires_grad());
+    auto opt = sgd_over({w}, 0.0);
+    mp::GradScaler scaler(
+        mp::GradScalerOptions().init_scale(4).growth_interval(1).min_scale(2).max_scale(8));
+    const int overflow[] = {1, 1, 1, 0, 0, 0, 0, 1};
+    const double scales[] = {2, 2, 2, 4, 8, 8, 8, 4};
+    for (int i = 0; i < 8; ++i) {
+      opt.zero_grad();
+      scaler.scale(w.sum()).backward();
+      if (overflow[i]) w.mutable_grad()[0] = kInf;
+      CHECK(scaler.step(opt) == (overflow[i] == 0));
+      scaler.update();
+      CHECK(scaler.get_scale() == scales[i]);
+    }
   }
   SUBCASE("will not overflow: 2^127 * 2 is inf in fp32, so the scale stays") {
     const double big = std::ldexp(1.0, 127);
@@ -318,6 +352,359 @@ TEST_CASE("invalid options are refused") {
   CHECK_THROWS_WITH_AS(mp::GradScaler(O().max_scale(2).init_scale(4)), doctest::Contains("max_scale"), mp::Error);
   CHECK_THROWS_AS(mp::StaticScaler(0.0), mp::Error);
   CHECK_THROWS_AS(mp::NoScaler().update(2.0), mp::Error);
+}
+
+TEST_CASE("regression: scales are validated as the fp32 values they are stored as") {
+  using O = mp::GradScalerOptions;
+  using doctest::Contains;
+  // 1e39 is finite as a double but inf in fp32; 1e-46 is 0 in fp32, and a subnormal scale has
+  // an infinite inverse: each would have wrecked every later step.
+  for (const double bad : {1e39, 1e-46, 1e-40, -1.0}) {
+    CAPTURE(bad);
+    CHECK_THROWS_WITH_AS(mp::GradScaler(O().init_scale(bad)),
+                         Contains("init_scale must be a positive normal fp32 value"), mp::Error);
+    CHECK_THROWS_WITH_AS(mp::StaticScaler{bad}, Contains("positive normal fp32 value"), mp::Error);
+    mp::GradScaler scaler(O().init_scale(8));
+    CHECK_THROWS_WITH_AS(scaler.update(bad), Contains("update(new_scale) must be a positive normal"),
+                         mp::Error);
+    CHECK(scaler.get_scale() == 8.0);
+    mp::StaticScaler fixed(8.0);
+    CHECK_THROWS_WITH_AS(fixed.update(bad), Contains("positive normal fp32"), mp::Error);
+    CHECK(fixed.get_scale() == 8.0);
+  }
+  // fp32's largest and smallest normal values are fine.
+  CHECK(mp::GradScaler(O().init_scale(3.4028234663852886e38)).get_scale() == 3.4028234663852886e38);
+  CHECK(mp::GradScaler(O().init_scale(std::ldexp(1.0, -126))).get_scale() == std::ldexp(1.0, -126));
+  // A scale that is not an fp32 value is rounded once, before and after the first scale().
+  mp::GradScaler tenth(O().init_scale(0.1));
+  CHECK(tenth.get_scale() == static_cast<double>(0.1F));
+  (void)tenth.scale(torch::ones({}));
+  CHECK(tenth.get_scale() == static_cast<double>(0.1F));
+  // The bounds: 0 / +inf (no bound) or normal fp32 values.
+  CHECK_THROWS_WITH_AS(mp::GradScaler(O().min_scale(1e-46)), Contains("min_scale must be 0 or"),
+                       mp::Error);
+  CHECK_THROWS_WITH_AS(mp::GradScaler(O().min_scale(1e-40)), Contains("min_scale must be 0 or"),
+                       mp::Error);
+  CHECK_THROWS_WITH_AS(mp::GradScaler(O().max_scale(1e39)), Contains("max_scale must be +infinity"),
+                       mp::Error);
+  CHECK_THROWS_WITH_AS(mp::GradScaler(O().min_scale(kNaN)), Contains("min_scale"), mp::Error);
+  // Bounds are compared in fp32: float(0.1) is above 0.1, and that is the bound applied.
+  CHECK_NOTHROW(mp::GradScaler(O().init_scale(static_cast<double>(0.1F)).max_scale(0.1)));
+}
+
+TEST_CASE("update(new_scale) sets the scale within the bounds and leaves the tracker alone") {
+  auto w = torch::ones({2}, torch::requires_grad());
+  auto opt = sgd_over({w}, 0.0);
+  mp::GradScaler scaler(mp::GradScalerOptions().init_scale(64).growth_interval(4).min_scale(2).max_scale(
+      1024));
+  scaler.update(16);  // before the first scale(): the first scaled loss uses it
+  CHECK(scaler.get_scale() == 16.0);
+  for (int i = 0; i < 2; ++i) {
+    opt.zero_grad();
+    const auto scaled = scaler.scale(w.sum());
+    CHECK(scaled.item<double>() == 2.0 * 16.0);
+    scaled.backward();
+    CHECK(scaler.step(opt));
+    scaler.update();
+  }
+  CHECK(scaler.growth_tracker() == 2);
+  scaler.update(32);
+  CHECK(scaler.get_scale() == 32.0);
+  CHECK(scaler.growth_tracker() == 2);  // as PyTorch: only the scale changes
+  // Outside [min_scale, max_scale]: refused, nothing changed.
+  CHECK_THROWS_WITH_AS(scaler.update(1.0), doctest::Contains("outside [min_scale, max_scale]"),
+                       mp::Error);
+  CHECK_THROWS_WITH_AS(scaler.update(2048.0), doctest::Contains("outside [min_scale, max_scale]"),
+                       mp::Error);
+  CHECK(scaler.get_scale() == 32.0);
+  // update(new_scale) ends the iteration: the inf checks recorded so far are dropped.
+  opt.zero_grad();
+  scaler.scale(w.sum()).backward();
+  scaler.unscale_(opt);
+  CHECK(w.grad().equal(torch::ones({2})));
+  scaler.update(8);
+  CHECK_THROWS_WITH_AS(scaler.update(), doctest::Contains("no inf checks"), mp::Error);
+  opt.zero_grad();
+  scaler.scale(w.sum()).backward();
+  CHECK(w.grad().equal(torch::full({2}, 8.0)));
+  CHECK(scaler.step(opt));
+  scaler.update();
+  CHECK(scaler.get_scale() == 8.0);
+  CHECK(scaler.growth_tracker() == 3);
+
+  SUBCASE("StaticScaler: update() keeps the scale, update(new_scale) sets it") {
+    mp::StaticScaler fixed(4.0);
+    for (const double next : {4.0, 0.5}) {
+      opt.zero_grad();
+      fixed.scale(w.sum()).backward();
+      w.mutable_grad()[0] = kInf;
+      CHECK_FALSE(fixed.step(opt));
+      fixed.update();
+      CHECK(fixed.get_scale() == 4.0);  // no backoff, whatever happened
+      fixed.update(next);
+      CHECK(fixed.get_scale() == next);
+      fixed.update(4.0);
+    }
+    CHECK(fixed.skipped_steps() == 2);
+  }
+}
+
+namespace {
+
+// One iteration of a GradScaler with real gradients; `overflow` puts an inf into them.
+struct ScalerRun {
+  at::Tensor w = torch::ones({2}, torch::requires_grad());
+  torch::optim::SGD opt = sgd_over({w}, 0.0);
+  void iterate(mp::GradScaler& scaler, bool overflow) {
+    opt.zero_grad();
+    scaler.scale(w.sum()).backward();
+    if (overflow) w.mutable_grad()[0] = kInf;
+    (void)scaler.step(opt);
+    scaler.update();
+  }
+};
+
+// Saves `scaler`, loads the dict into a fresh scaler with `options`, then runs both through
+// the same overflow pattern: the states must agree at every step.
+void check_round_trip(mp::GradScaler& scaler, const mp::GradScalerOptions& options) {
+  mp::GradScaler restored(options);
+  REQUIRE_NOTHROW(restored.load_state_dict(scaler.state_dict()));
+  ScalerRun a, b;
+  for (const bool overflow : {false, true, false, false, true, true, false, false, false}) {
+    CHECK(restored.get_scale() == scaler.get_scale());
+    CHECK(restored.growth_tracker() == scaler.growth_tracker());
+    CHECK(restored.hysteresis_tracker() == scaler.hysteresis_tracker());
+    a.iterate(scaler, overflow);
+    b.iterate(restored, overflow);
+  }
+  CHECK(restored.get_scale() == scaler.get_scale());
+}
+
+}  // namespace
+
+TEST_CASE("regression: every state the scaler reaches saves and loads") {
+  ScalerRun run;
+  SUBCASE("clamped at min_scale: float(1e-4) is below 1e-4") {
+    const auto options = mp::GradScalerOptions().init_scale(1).min_scale(1e-4);
+    mp::GradScaler scaler(options);
+    for (int i = 0; i < 20; ++i) run.iterate(scaler, true);
+    CHECK(scaler.get_scale() == static_cast<double>(1e-4F));
+    CHECK(scaler.get_scale() < 1e-4);
+    check_round_trip(scaler, options);
+  }
+  SUBCASE("clamped at max_scale: float(0.3) is above 0.3") {
+    const auto options = mp::GradScalerOptions().init_scale(0.25).growth_interval(1).max_scale(0.3);
+    mp::GradScaler scaler(options);
+    for (int i = 0; i < 3; ++i) run.iterate(scaler, false);
+    CHECK(scaler.get_scale() == static_cast<double>(0.3F));
+    CHECK(scaler.get_scale() > 0.3);
+    check_round_trip(scaler, options);
+  }
+  SUBCASE("underflowed through the subnormals to 0, as PyTorch's does") {
+    const auto options = mp::GradScalerOptions().init_scale(std::ldexp(1.0, -120));
+    mp::GradScaler scaler(options);
+    for (int i = 0; i < 20; ++i) run.iterate(scaler, true);
+    CHECK(scaler.get_scale() == std::ldexp(1.0, -140));  // subnormal: loads too
+    check_round_trip(scaler, options);
+    for (int i = 0; i < 10; ++i) run.iterate(scaler, true);
+    CHECK(scaler.get_scale() == 0.0);
+    check_round_trip(scaler, options);
+    // A Python GradScaler's dict with scale 0 loads too.
+    auto dict = scaler.state_dict();
+    CHECK(dict.erase("hysteresis") == 1);
+    CHECK(dict.erase("_hysteresis_tracker") == 1);
+    mp::GradScaler from_python;
+    from_python.load_state_dict(dict);
+    CHECK(from_python.get_scale() == 0.0);
+  }
+  SUBCASE("hysteresis mid-count, and run out (negative)") {
+    const auto options = mp::GradScalerOptions().init_scale(64).hysteresis(3);
+    mp::GradScaler scaler(options);
+    run.iterate(scaler, true);
+    CHECK(scaler.hysteresis_tracker() == 2);
+    CHECK(scaler.state_dict().at("_hysteresis_tracker").toInt() == 2);
+    CHECK(scaler.get_scale() == 64.0);
+    check_round_trip(scaler, options);
+    mp::GradScaler exhausted(options);
+    for (int i = 0; i < 4; ++i) run.iterate(exhausted, true);
+    CHECK(exhausted.hysteresis_tracker() == -1);
+    CHECK(exhausted.get_scale() == 16.0);
+    check_round_trip(exhausted, options);
+  }
+  SUBCASE("growth tracker mid-count") {
+    const auto options = mp::GradScalerOptions().init_scale(64).growth_interval(5);
+    mp::GradScaler scaler(options);
+    for (int i = 0; i < 3; ++i) run.iterate(scaler, false);
+    CHECK(scaler.growth_tracker() == 3);
+    check_round_trip(scaler, options);
+  }
+}
+
+TEST_CASE("load_state_dict refuses scales the scaler cannot hold, and changes nothing") {
+  mp::GradScaler source(mp::GradScalerOptions().init_scale(64));
+  const auto dict = source.state_dict();
+  using doctest::Contains;
+  for (const double bad : {-1.0, 1e39, 1e-46, static_cast<double>(kInf), static_cast<double>(kNaN)}) {
+    CAPTURE(bad);
+    auto d = dict.copy();
+    d.insert_or_assign("scale", bad);
+    mp::GradScaler target(mp::GradScalerOptions().init_scale(8).growth_interval(7));
+    CHECK_THROWS_WITH_AS(target.load_state_dict(d), Contains("finite fp32 value >= 0"), mp::Error);
+    CHECK(target.get_scale() == 8.0);
+    CHECK(target.options().growth_interval() == 7);
+  }
+  // This scaler's own bounds apply to a saved scale.
+  mp::GradScaler bounded(mp::GradScalerOptions().init_scale(8).min_scale(4).max_scale(16));
+  for (const double outside : {2.0, 32.0}) {
+    auto d = dict.copy();
+    d.insert_or_assign("scale", outside);
+    const auto message = "the state dict's scale " + std::to_string(static_cast<int>(outside));
+    CHECK_THROWS_WITH_AS(bounded.load_state_dict(d), Contains(message.c_str()), mp::Error);
+    CHECK(bounded.get_scale() == 8.0);
+  }
+  // A whole-number scale saved as an integer (hand-written Python dicts) loads.
+  auto integral = dict.copy();
+  integral.insert_or_assign("scale", std::int64_t{128});
+  mp::GradScaler target;
+  target.load_state_dict(integral);
+  CHECK(target.get_scale() == 128.0);
+}
+
+TEST_CASE("StaticScaler: state_dict round trip, integer scales, options it would ignore") {
+  mp::StaticScaler scaler(256.0);
+  const auto dict = scaler.state_dict();
+  CHECK(dict.size() == 1);
+  CHECK(dict.at("scale").toDouble() == 256.0);
+  mp::StaticScaler restored;
+  restored.load_state_dict(dict);
+  CHECK(restored.get_scale() == 256.0);
+  // Regression: an integer scale, which GradScaler accepts, was refused.
+  c10::impl::GenericDict integral(c10::StringType::get(), c10::AnyType::get());
+  integral.insert("scale", std::int64_t{512});
+  restored.load_state_dict(integral);
+  CHECK(restored.get_scale() == 512.0);
+  // A GradScaler's state dict gives its current scale.
+  restored.load_state_dict(mp::GradScaler(mp::GradScalerOptions().init_scale(32)).state_dict());
+  CHECK(restored.get_scale() == 32.0);
+  // Bad dicts: an Error, nothing changed.
+  using doctest::Contains;
+  c10::impl::GenericDict bad(c10::StringType::get(), c10::AnyType::get());
+  CHECK_THROWS_WITH_AS(restored.load_state_dict(bad), Contains("lacks the key 'scale'"), mp::Error);
+  bad.insert("scale", std::string("big"));
+  CHECK_THROWS_WITH_AS(restored.load_state_dict(bad), Contains("must be a number"), mp::Error);
+  for (const double value : {0.0, 1e39, -4.0}) {
+    bad.insert_or_assign("scale", value);
+    CHECK_THROWS_WITH_AS(restored.load_state_dict(bad), Contains("positive normal fp32 value"),
+                         mp::Error);
+  }
+  CHECK(restored.get_scale() == 32.0);
+  // From GradScalerOptions (as the Trainer builds it): init_scale is the scale; the dynamic
+  // settings it would silently ignore are refused.
+  CHECK(mp::StaticScaler(mp::GradScalerOptions().init_scale(64)).get_scale() == 64.0);
+  using O = mp::GradScalerOptions;
+  for (const auto& options : {O().growth_interval(10), O().growth_factor(4), O().backoff_factor(0.25),
+                              O().hysteresis(2), O().min_scale(1), O().max_scale(1e6),
+                              O().enabled(false)}) {
+    CHECK_THROWS_WITH_AS(mp::StaticScaler{options}, Contains("StaticScaler keeps its scale fixed"),
+                         mp::Error);
+  }
+}
+
+TEST_CASE("UnscaleOptions::also_check: inf or NaN in it skips the step, finite gradients or not") {
+  auto w = torch::ones({3}, torch::requires_grad());
+  auto opt = sgd_over({w}, 1.0);
+  mp::GradScaler scaler(mp::GradScalerOptions().init_scale(4).growth_interval(1));
+  const auto iterate = [&](const at::Tensor& also_check) {
+    opt.zero_grad();
+    scaler.scale(w.sum()).backward();
+    scaler.unscale_(opt, mp::UnscaleOptions().also_check(also_check));
+    CHECK(w.grad().equal(torch::ones({3})));  // unscaled either way
+    const bool stepped = scaler.step(opt);
+    scaler.update();
+    return stepped;
+  };
+  CHECK(iterate(torch::tensor({1.0F, 2.0F})));
+  CHECK(w.equal(torch::zeros({3})));
+  CHECK(scaler.get_scale() == 8.0);
+  for (const float bad : {kNaN, kInf, -kInf}) {
+    CAPTURE(bad);
+    const auto before = w.detach().clone();
+    CHECK_FALSE(iterate(torch::tensor({1.0F, bad, 3.0F})));  // a NaN loss, finite gradients
+    CHECK(w.equal(before));
+  }
+  CHECK(scaler.get_scale() == 1.0);  // backed off three times
+  CHECK(scaler.skipped_steps() == 3);
+  CHECK(iterate(torch::full({2, 2}, 3.0, torch::kBFloat16)));  // any dtype and shape
+  CHECK_FALSE(iterate(torch::full({2, 2}, kInf, torch::kBFloat16)));
+  CHECK(iterate(at::Tensor()));  // undefined: nothing more to check
+  SUBCASE("NoScaler and clipping keep the check") {
+    mp::NoScaler none;
+    opt.zero_grad();
+    w.sum().backward();
+    CHECK(none.unscale_(opt, mp::UnscaleOptions().max_grad_norm(1.0).also_check(
+                                 torch::scalar_tensor(kNaN))).has_value());
+    CHECK_FALSE(none.step(opt));
+    none.update();
+  }
+}
+
+namespace {
+
+// An SGD whose next step throws once, as a failing user optimizer or a device error would.
+struct FlakySGD : torch::optim::SGD {
+  using torch::optim::SGD::SGD;
+  bool fail_next = false;
+  at::Tensor step(LossClosure closure = nullptr) override {
+    if (fail_next) {
+      fail_next = false;
+      throw std::runtime_error("flaky optimizer");
+    }
+    return torch::optim::SGD::step(std::move(closure));
+  }
+};
+
+// MixedO1<BFloat16> with dynamic scaling, so that the scaler has real stages to reset.
+struct ScaledO1 : mp::MixedO1<at::BFloat16> {
+  static constexpr std::string_view name = "ScaledO1";
+  using scaler_type = mp::GradScaler;
+};
+
+}  // namespace
+
+TEST_CASE("reset_stages: an exception inside a step leaves the scaler usable") {
+  SUBCASE("by hand") {
+    auto w = torch::ones({3}, torch::requires_grad());
+    FlakySGD opt({w}, torch::optim::SGDOptions(0.5));
+    mp::GradScaler scaler(mp::GradScalerOptions().init_scale(4));
+    scaler.scale(w.sum()).backward();
+    opt.fail_next = true;
+    CHECK_THROWS_WITH_AS(scaler.step(opt), "flaky optimizer", std::runtime_error);
+    opt.zero_grad();
+    scaler.scale(w.sum()).backward();
+    // The failed iteration's records are still there: this unscale_ would be a second one.
+    CHECK_THROWS_WITH_AS(scaler.unscale_(opt), doctest::Contains("already been called"), mp::Error);
+    scaler.reset_stages();
+    CHECK(scaler.step(opt));
+    scaler.update();
+    CHECK(w.equal(torch::full({3}, 0.5)));
+    CHECK(scaler.get_scale() == 4.0);
+  }
+  SUBCASE("the Trainer resets them when a step throws") {
+    torch::manual_seed(3);
+    torch::nn::Linear net(4, 1);
+    FlakySGD opt(net->parameters(), torch::optim::SGDOptions(0.1));
+    mp::Trainer<ScaledO1> trainer(net, opt);
+    const auto x = torch::randn({8, 4});
+    const auto loss = [&] { return net->forward(x).pow(2).mean(); };
+    const auto before = test::snapshot(net->parameters());
+    opt.fail_next = true;
+    CHECK_THROWS_WITH_AS(trainer.step(loss), "flaky optimizer", std::runtime_error);
+    CHECK(test::identical(test::snapshot(net->parameters()), before));
+    const auto report = trainer.step(loss);
+    CHECK(report.stepped());
+    CHECK(report.scale == 65536.0);
+    CHECK_FALSE(test::identical(test::snapshot(net->parameters()), before));
+  }
 }
 
 TEST_CASE("training with a scaler equals training without, skipped steps included") {

@@ -566,3 +566,64 @@ TEST_CASE("MixedO1 inside an enclosing autocast scope sees each step's new weigh
   CHECK(plain[3] < plain[0]);
   CHECK(losses(true) == plain);
 }
+
+namespace {
+
+// MixedO2<BFloat16> with a fixed loss scale, as a user would derive it.
+struct StaticO2 : mp::MixedO2<at::BFloat16> {
+  static constexpr std::string_view name = "StaticO2";
+  using scaler_type = mp::StaticScaler;
+};
+
+}  // namespace
+
+TEST_CASE("a StaticScaler policy trains bit-identically to the unscaled one and checkpoints its scale") {
+  const Task task;
+  torch::manual_seed(0);
+  auto scaled_net = std::make_shared<Net>();
+  torch::manual_seed(0);
+  auto plain_net = std::make_shared<Net>();
+  torch::optim::Adam scaled_adam(scaled_net->parameters(), torch::optim::AdamOptions(1e-2));
+  torch::optim::Adam plain_adam(plain_net->parameters(), torch::optim::AdamOptions(1e-2));
+  const auto options = mp::TrainerOptions().scaler(mp::GradScalerOptions().init_scale(1024));
+  mp::Trainer<StaticO2> scaled(scaled_net, scaled_adam, options);
+  mp::Trainer<mp::MixedO2<at::BFloat16>> plain(plain_net, plain_adam);
+  // A power-of-two scale is exact in bf16: scaled and unscaled training agree bit for bit.
+  for (int i = 0; i < 8; ++i) {
+    const auto x = task.x.slice(0, i * 32, i * 32 + 32), y = task.y.slice(0, i * 32, i * 32 + 32);
+    torch::manual_seed(100 + static_cast<std::uint64_t>(i));  // the same dropout masks
+    const auto a = scaled.step(loss_of(scaled, scaled_net, x, y));
+    torch::manual_seed(100 + static_cast<std::uint64_t>(i));
+    const auto b = plain.step(loss_of(plain, plain_net, x, y));
+    CHECK(a.stepped());
+    CHECK(a.scale == 1024.0);
+    CHECK(a.loss.item<double>() == b.loss.item<double>());
+  }
+  CHECK(test::identical(scaled_net->parameters(), plain_net->parameters()));
+  CHECK(test::identical(scaled.master_weights(), plain.master_weights()));
+  // A NaN loss is skipped; a static scale does not back off.
+  const auto x = task.x.slice(0, 0, 32), y = task.y.slice(0, 0, 32);
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  CHECK(scaled.step([&] { return loss_of(scaled, scaled_net, x, y)() * nan; }).status ==
+        mp::StepStatus::skipped);
+  CHECK(scaled.scaler().get_scale() == 1024.0);
+  // The scale set by hand survives a checkpoint into a trainer built with another one.
+  scaled.scaler().update(2048);
+  const auto path = test::temp_path("static_scaler.ckpt");
+  scaled.save(path);
+  torch::manual_seed(1);
+  auto other_net = std::make_shared<Net>();
+  torch::optim::Adam other_adam(other_net->parameters(), torch::optim::AdamOptions(1e-2));
+  mp::Trainer<StaticO2> other(other_net, other_adam, options);
+  CHECK(other.scaler().get_scale() == 1024.0);
+  other.load(path);
+  CHECK(other.scaler().get_scale() == 2048.0);
+  CHECK(test::identical(other.master_weights(), scaled.master_weights()));
+  // Options a StaticScaler would ignore are refused when the Trainer builds it.
+  auto fresh_net = std::make_shared<Net>();
+  torch::optim::Adam fresh_adam(fresh_net->parameters(), torch::optim::AdamOptions(1e-2));
+  CHECK_THROWS_WITH_AS(
+      mp::Trainer<StaticO2>(fresh_net, fresh_adam,
+                            mp::TrainerOptions().scaler(mp::GradScalerOptions().growth_interval(10))),
+      doctest::Contains("StaticScaler keeps its scale fixed"), mp::Error);
+}

@@ -16,8 +16,8 @@
 ///   also fit, with another meaning, is refused. Anything else is a mixprec::Error.
 /// - Masked entries never influence values or gradients, whatever they hold (inf, NaN).
 /// - Finite input gives finite output and gradients. Fully masked rows give zeros; exceptions:
-///   masked_max (the input dtype's lowest value) and masked_softmax(memory_efficient = true)
-///   (uniform over the row).
+///   masked_max (the input dtype's lowest value), masked_log_softmax (the output dtype's lowest
+///   value, as at every masked entry) and masked_softmax(memory_efficient = true) (uniform).
 
 #include <ATen/ATen.h>
 #include <c10/core/ScalarType.h>
@@ -25,6 +25,7 @@
 #include <cmath>
 #include <concepts>
 #include <cstdint>
+#include <limits>
 #include <mixprec/concepts.hpp>
 #include <mixprec/detail/ops_common.hpp>
 #include <mixprec/detail/ops_masked_softmax.hpp>
@@ -92,9 +93,11 @@ at::Tensor masked_softmax(const at::Tensor& vector, const at::Tensor& mask, int6
                            /*saturate=*/false);
 }
 
-/// Log-softmax over `dim` of the kept entries. Masked entries and fully masked rows give 0, not
-/// -inf: mask the result (or multiply by the mask) before using it. An undefined mask keeps
-/// everything. Log-probabilities below the output dtype's range saturate at its lowest value.
+/// Log-softmax over `dim` of the kept entries. Masked entries (fully masked rows too) hold the
+/// output dtype's lowest value, finite and with gradient 0, so exp() of the result is
+/// masked_softmax (0 there) and top-k never picks them; mask before summing (two such values
+/// overflow to -inf). An undefined mask keeps everything. Log-probabilities below the output
+/// dtype's range saturate at its lowest value.
 template <class P = FullPrecision>
 at::Tensor masked_log_softmax(const at::Tensor& vector, const at::Tensor& mask, int64_t dim = -1) {
   static_assert(require_policy<P>);
@@ -109,14 +112,17 @@ at::Tensor masked_log_softmax(const at::Tensor& vector, const at::Tensor& mask, 
   } else {
     const auto keep = detail::prepare_mask(op, vector, mask, d);
     const auto fill = detail::masked_fill_values(keep.any(d, /*keepdim=*/true), x.options());
-    result = at::log_softmax(at::where(keep, x, fill), d).masked_fill(keep.logical_not(), 0);
+    // log(0) would be -inf: the lowest finite value keeps exp() at 0 without inf arithmetic.
+    result = at::log_softmax(at::where(keep, x, fill), d)
+                 .masked_fill(keep.logical_not(), detail::limits_of(output)->lowest);
   }
   // -inf appears only where x - max overflowed (or a cast to fp16 would): saturate instead.
   return result.clamp_min(detail::limits_of(output)->lowest).to(output);
 }
 
-/// Maximum over `dim` of the kept entries. A fully masked row (or an empty `dim`) gives the input
-/// dtype's lowest value, min_value_of_dtype(vector.scalar_type()). Integer vectors work too.
+/// Maximum over `dim` of the kept entries (-inf if they all are). A fully masked row (or an empty
+/// `dim`) gives the input dtype's lowest value, min_value_of_dtype(vector.scalar_type()).
+/// Integer vectors work too.
 template <class P = FullPrecision>
 at::Tensor masked_max(const at::Tensor& vector, const at::Tensor& mask, int64_t dim,
                       bool keepdim = false) {
@@ -146,6 +152,13 @@ at::Tensor masked_max(const at::Tensor& vector, const at::Tensor& mask, int64_t 
       }
       result = at::full(sizes, empty, x.options());
     }
+  } else if (floating) {
+    // Masked entries as -inf, not as the lowest value, which would win over kept -inf entries.
+    const auto row_any = keep.any(d, keepdim);
+    result = at::where(row_any,
+                       x.masked_fill(keep.logical_not(), -std::numeric_limits<double>::infinity())
+                           .amax(d, keepdim),
+                       empty);
   } else {
     result = x.masked_fill(keep.logical_not(), empty).amax(d, keepdim);
   }

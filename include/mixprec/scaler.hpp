@@ -48,7 +48,8 @@ struct GradScalerOptions {
   /// Overflowing steps tolerated before backing off (1: PyTorch; DeepSpeed and Megatron use 2).
   /// The count refills when the scale grows, as in Megatron-LM and DeepSpeed's default.
   TORCH_ARG(std::int64_t, hysteresis) = 1;
-  /// Bounds of the scale; PyTorch has none (0 and +inf). The scale never grows to inf.
+  /// Bounds of the scale; PyTorch has none (0 and +inf). The scale never grows to inf. Like the
+  /// scale, they are fp32: 1e-4 bounds it at float(1e-4).
   TORCH_ARG(double, min_scale) = 0.0;
   TORCH_ARG(double, max_scale) = std::numeric_limits<double>::infinity();
   /// false: behaves as NoScaler (scale 1, inf/NaN steps still skipped), state_dict empty.
@@ -80,6 +81,20 @@ struct ScaleState {
   std::int64_t hysteresis_tracker;
 };
 
+/// `value` rounded to the fp32 scale; an Error unless that is a normal fp32 number, which also
+/// keeps 1 / scale finite. Bounds and checks are applied to this fp32 value, never the double.
+inline float checked_scale(double value, std::string_view what) {
+  const auto scale = static_cast<float>(value);
+  MIXPREC_CHECK(std::isnormal(scale) && scale > 0, what, " must be a positive normal fp32 value (",
+                std::numeric_limits<float>::min(), " to ", std::numeric_limits<float>::max(),
+                "), got ", value, ", which is ", scale, " in fp32, the scale's type");
+  return scale;
+}
+
+/// The bounds of the scale as fp32, where they are applied.
+inline float min_scale_fp32(const GradScalerOptions& o) { return static_cast<float>(o.min_scale()); }
+inline float max_scale_fp32(const GradScalerOptions& o) { return static_cast<float>(o.max_scale()); }
+
 /// One update of the scale: PyTorch's _amp_update_scale_ (fp32 scale, int32 tracker), with
 /// hysteresis, bounds and the never-grow-to-inf guard of LibTorch >= 2.1.
 inline ScaleState next_scale(ScaleState s, bool found_inf, const GradScalerOptions& o) {
@@ -87,7 +102,7 @@ inline ScaleState next_scale(ScaleState s, bool found_inf, const GradScalerOptio
     s.growth_tracker = 0;
     if (--s.hysteresis_tracker <= 0) {
       const auto backed_off = static_cast<float>(static_cast<double>(s.scale) * o.backoff_factor());
-      s.scale = static_cast<float>(std::max(static_cast<double>(backed_off), o.min_scale()));
+      s.scale = std::max(backed_off, min_scale_fp32(o));
     }
     return s;
   }
@@ -98,15 +113,12 @@ inline ScaleState next_scale(ScaleState s, bool found_inf, const GradScalerOptio
   s.growth_tracker = 0;
   s.hysteresis_tracker = o.hysteresis();
   const auto grown = static_cast<float>(static_cast<double>(s.scale) * o.growth_factor());
-  if (std::isfinite(grown)) {
-    s.scale = static_cast<float>(std::min(static_cast<double>(grown), o.max_scale()));
-  }
+  if (std::isfinite(grown)) s.scale = std::min(grown, max_scale_fp32(o));
   return s;
 }
 
-inline void check_options(const GradScalerOptions& o) {
-  MIXPREC_CHECK(std::isfinite(o.init_scale()) && o.init_scale() > 0,
-                "GradScalerOptions::init_scale must be finite and > 0, got ", o.init_scale());
+/// Validates everything but init_scale, which load_state_dict replaces by a saved scale.
+inline void check_dynamics(const GradScalerOptions& o) {
   MIXPREC_CHECK(o.growth_factor() > 1 && std::isfinite(o.growth_factor()),
                 "GradScalerOptions::growth_factor must be finite and > 1, got ", o.growth_factor(),
                 " (the scale grows by it after growth_interval clean steps)");
@@ -114,13 +126,33 @@ inline void check_options(const GradScalerOptions& o) {
                 "GradScalerOptions::backoff_factor must be in (0, 1), got ", o.backoff_factor(),
                 " (the scale shrinks by it after an overflow)");
   MIXPREC_CHECK(o.growth_interval() >= 1 && o.growth_interval() <= std::numeric_limits<std::int32_t>::max(),
-                "GradScalerOptions::growth_interval must be >= 1, got ", o.growth_interval());
+                "GradScalerOptions::growth_interval must be in [1, 2^31), got ", o.growth_interval());
   MIXPREC_CHECK(o.hysteresis() >= 1, "GradScalerOptions::hysteresis must be >= 1, got ",
                 o.hysteresis(), " (1 backs off at the first overflow, as PyTorch does)");
-  MIXPREC_CHECK(o.min_scale() >= 0 && o.min_scale() <= o.init_scale() &&
-                    o.init_scale() <= o.max_scale(),
-                "GradScalerOptions needs 0 <= min_scale <= init_scale <= max_scale, got ",
-                o.min_scale(), " <= ", o.init_scale(), " <= ", o.max_scale());
+  // 0 is PyTorch's "no bound"; a positive bound that fp32 flushes to 0 (1e-46), or a subnormal
+  // one (whose inverse is inf), would bound nothing.
+  MIXPREC_CHECK(o.min_scale() == 0 || (o.min_scale() > 0 && std::isnormal(min_scale_fp32(o))),
+                "GradScalerOptions::min_scale must be 0 or a positive normal fp32 value (at least ",
+                std::numeric_limits<float>::min(), "), got ", o.min_scale());
+  MIXPREC_CHECK(o.max_scale() == std::numeric_limits<double>::infinity() ||
+                    (o.max_scale() > 0 && std::isnormal(max_scale_fp32(o))),
+                "GradScalerOptions::max_scale must be +infinity or a normal fp32 value (at most ",
+                std::numeric_limits<float>::max(), "), got ", o.max_scale());
+  MIXPREC_CHECK(min_scale_fp32(o) <= max_scale_fp32(o), "GradScalerOptions needs min_scale <= "
+                "max_scale, got ", o.min_scale(), " > ", o.max_scale());
+}
+
+/// `scale` checked against the bounds of `o`, compared in fp32 as the scale is stored.
+inline void check_in_bounds(float scale, const GradScalerOptions& o, std::string_view what) {
+  MIXPREC_CHECK(min_scale_fp32(o) <= scale && scale <= max_scale_fp32(o), what, " ", scale,
+                " is outside [min_scale, max_scale] = [", min_scale_fp32(o), ", ",
+                max_scale_fp32(o), "] (compared in fp32, the scale's type)");
+}
+
+inline void check_options(const GradScalerOptions& o) {
+  check_dynamics(o);
+  check_in_bounds(checked_scale(o.init_scale(), "GradScalerOptions::init_scale"), o,
+                  "GradScalerOptions::init_scale");
 }
 
 /// What the three scalers share: per-optimizer stages, the inf checks, unscale_ and step.
@@ -203,7 +235,7 @@ class ScalerCore {
   /// The current scale (1 for NoScaler); reads a device value back.
   double get_scale() const {
     if (!scaling_) return 1.0;
-    return scale_.defined() ? static_cast<double>(scale_.item<float>()) : init_scale_;
+    return static_cast<double>(scale_.defined() ? scale_.item<float>() : init_scale_);
   }
 
   /// Optimizer steps skipped because of inf or NaN, since construction.
@@ -220,8 +252,13 @@ class ScalerCore {
   ScalerCore& operator=(ScalerCore&&) noexcept = default;
 
  protected:
-  ScalerCore(double init_scale, bool scaling, bool allow_fp16)
+  ScalerCore(float init_scale, bool scaling, bool allow_fp16)
       : init_scale_(init_scale), scaling_(scaling), allow_fp16_(allow_fp16) {}
+
+  void set_scale(float scale) {
+    if (scale_.defined()) scale_.fill_(scale);
+    init_scale_ = scale;
+  }
 
   /// The inf flags of this iteration summed over optimizers; then the stages start over.
   at::Tensor take_found_inf(std::string_view caller) {
@@ -237,7 +274,7 @@ class ScalerCore {
   }
 
   at::Tensor scale_;  // 0-dim fp32, created by the first scale() on the loss's device
-  double init_scale_;
+  float init_scale_;  // the scale until scale_ exists
   bool scaling_;
   bool allow_fp16_;
   std::int64_t skipped_steps_ = 0;
@@ -248,19 +285,38 @@ class ScalerCore {
     at::Tensor found_inf;  // undefined: no gradient seen
   };
 
-  // Validates every gradient before touching any, so an Error leaves all state unchanged.
+  // Validates every gradient before touching any, so an Error leaves all state unchanged. Each
+  // tensor once: an optimizer built on model->parameters() lists tied weights once per name,
+  // and a tensor unscaled twice would be divided by the scale twice and counted twice in the norm.
   std::vector<GradPair> collect_grads(torch::optim::Optimizer& optimizer,
                                       const std::vector<at::Tensor>& grads_from) const {
     std::vector<at::Tensor> params;
-    for (auto& group : optimizer.param_groups()) {
-      for (auto& p : group.params()) params.push_back(p);
+    std::vector<std::size_t> group_of;
+    const auto& groups = optimizer.param_groups();
+    for (std::size_t g = 0; g < groups.size(); ++g) {
+      for (const auto& p : groups[g].params()) {
+        params.push_back(p);
+        group_of.push_back(g);
+      }
     }
     MIXPREC_CHECK(grads_from.empty() || grads_from.size() == params.size(),
                   "UnscaleOptions::grads_from has ", grads_from.size(),
                   " tensors but the optimizer has ", params.size(), " parameters");
     const bool in_place = grads_from.empty();
+    std::unordered_map<const void*, std::size_t> first;  // a tensor's first index in params
     std::vector<std::size_t> with_grad;
     for (std::size_t i = 0; i < params.size(); ++i) {
+      const auto [seen, inserted] = first.try_emplace(params[i].unsafeGetTensorImpl(), i);
+      if (!inserted) {
+        const auto j = seen->second;
+        MIXPREC_CHECK(group_of[i] == group_of[j], "a tensor of shape ", params[i].sizes(),
+                      " is in param groups ", group_of[j], " and ", group_of[i], " of the "
+                      "optimizer (PyTorch refuses this too): put each tensor in one group");
+        MIXPREC_CHECK(in_place || grads_from[i].is_same(grads_from[j]),
+                      "UnscaleOptions::grads_from[", j, "] and grads_from[", i, "] differ, but "
+                      "both are for the same optimizer tensor (listed twice): repeat its source");
+        continue;
+      }
       const at::Tensor& grad = (in_place ? params[i] : grads_from[i]).grad();
       if (!grad.defined()) continue;
       const auto dtype = grad.scalar_type();
@@ -346,13 +402,31 @@ class ScalerCore {
   std::unordered_map<const torch::optim::Optimizer*, Entry> entries_;
 };
 
+/// A number of a state dict: Python saves whole-valued floats as ints in hand-written dicts.
+inline double state_number(const c10::impl::GenericDict& dict, const char* key) {
+  MIXPREC_CHECK(dict.contains(key), "state dict lacks the key '", key, "'");
+  const auto value = dict.at(key);
+  MIXPREC_CHECK(value.isDouble() || value.isInt(), "state dict key '", key,
+                "' must be a number, got ", value.tagKind());
+  return value.isDouble() ? value.toDouble() : static_cast<double>(value.toInt());
+}
+
+inline std::int64_t state_integer(const c10::impl::GenericDict& dict, const char* key) {
+  MIXPREC_CHECK(dict.contains(key), "state dict lacks the key '", key, "'");
+  const auto value = dict.at(key);
+  MIXPREC_CHECK(value.isInt(), "state dict key '", key, "' must be an integer, got ",
+                value.tagKind());
+  return value.toInt();
+}
+
 }  // namespace detail
 
 /// Dynamic loss scaling, PyTorch's GradScaler in C++: same algorithm, errors and state_dict keys.
 class GradScaler : public detail::ScalerCore {
  public:
   explicit GradScaler(GradScalerOptions options = {})
-      : ScalerCore(options.init_scale(), options.enabled(), options.allow_fp16_grads()),
+      : ScalerCore(static_cast<float>(options.init_scale()), options.enabled(),
+                   options.allow_fp16_grads()),
         options_(std::move(options)),
         growth_tracker_init_(0),
         hysteresis_tracker_(options_.hysteresis()) {
@@ -381,26 +455,26 @@ class GradScaler : public detail::ScalerCore {
     hysteresis_tracker_ = state.hysteresis_tracker;
   }
 
-  /// Sets the scale; leaves the growth tracker alone, as PyTorch does.
+  /// Sets the scale (a normal fp32 value within [min_scale, max_scale]); leaves the growth
+  /// tracker alone, as PyTorch does.
   void update(double new_scale) {
-    MIXPREC_CHECK(std::isfinite(new_scale) && new_scale > 0,
-                  "update(new_scale) needs a finite scale > 0, got ", new_scale);
+    const auto scale = detail::checked_scale(new_scale, "update(new_scale)");
+    detail::check_in_bounds(scale, options_, "update(new_scale)");
     reset_stages();
-    if (!options_.enabled()) return;
-    if (scale_.defined()) {
-      scale_.fill_(new_scale);
-    } else {
-      init_scale_ = new_scale;
-    }
+    if (options_.enabled()) set_scale(scale);
   }
 
   bool is_enabled() const noexcept { return options_.enabled(); }
+  /// The options as constructed; load_state_dict replaces the growth settings, not init_scale.
   const GradScalerOptions& options() const noexcept { return options_; }
 
   /// Steps since the last growth or overflow (PyTorch's _growth_tracker).
   std::int64_t growth_tracker() const {
     return growth_tracker_.defined() ? growth_tracker_.item<std::int32_t>() : growth_tracker_init_;
   }
+
+  /// Overflows still tolerated before the next backoff; 0 or less backs off at the next one.
+  std::int64_t hysteresis_tracker() const noexcept { return hysteresis_tracker_; }
 
   /// PyTorch's keys (scale, growth_factor, backoff_factor, growth_interval, _growth_tracker)
   /// plus hysteresis and _hysteresis_tracker; empty when disabled.
@@ -418,31 +492,38 @@ class GradScaler : public detail::ScalerCore {
   }
 
   /// Loads a state_dict from C++ or from Python's GradScaler; validates before changing anything.
+  /// Every state the scaler can reach loads, a scale that underflowed to 0 included (PyTorch's
+  /// does too); min_scale and max_scale stay this scaler's own and bound the saved scale.
   void load_state_dict(const c10::impl::GenericDict& dict) {
     if (!options_.enabled()) return;
     MIXPREC_CHECK(!dict.empty(), "load_state_dict() got an empty state dict, possibly saved "
                   "from a disabled scaler");
     auto options = options_;
-    options.init_scale(number(dict, "scale"))
-        .growth_factor(number(dict, "growth_factor"))
-        .backoff_factor(number(dict, "backoff_factor"))
-        .growth_interval(integer(dict, "growth_interval"));
-    if (dict.contains("hysteresis")) options.hysteresis(integer(dict, "hysteresis"));
-    detail::check_options(options);
-    const auto tracker = integer(dict, "_growth_tracker");
+    options.growth_factor(detail::state_number(dict, "growth_factor"))
+        .backoff_factor(detail::state_number(dict, "backoff_factor"))
+        .growth_interval(detail::state_integer(dict, "growth_interval"));
+    if (dict.contains("hysteresis")) options.hysteresis(detail::state_integer(dict, "hysteresis"));
+    detail::check_dynamics(options);
+    // A saved scale is a state, not a choice: backoff reaches subnormal values and 0.
+    const double saved = detail::state_number(dict, "scale");
+    const auto scale = static_cast<float>(saved);
+    MIXPREC_CHECK(saved >= 0 && std::isfinite(scale) && (scale > 0) == (saved > 0),
+                  "state dict has scale ", saved, ", which is ", scale, " in fp32; a GradScaler's "
+                  "scale is a finite fp32 value >= 0");
+    detail::check_in_bounds(scale, options, "the state dict's scale");
+    const auto tracker = detail::state_integer(dict, "_growth_tracker");
     MIXPREC_CHECK(tracker >= 0 && tracker < options.growth_interval(), "state dict has "
                   "_growth_tracker ", tracker, " outside [0, growth_interval)");
     const auto hysteresis_tracker = dict.contains("_hysteresis_tracker")
-                                        ? integer(dict, "_hysteresis_tracker")
+                                        ? detail::state_integer(dict, "_hysteresis_tracker")
                                         : options.hysteresis();
     MIXPREC_CHECK(hysteresis_tracker <= options.hysteresis(), "state dict has "
                   "_hysteresis_tracker ", hysteresis_tracker, " above hysteresis ",
                   options.hysteresis());
     options_ = options;
-    init_scale_ = options.init_scale();
+    set_scale(scale);
     growth_tracker_init_ = tracker;
     hysteresis_tracker_ = hysteresis_tracker;
-    if (scale_.defined()) scale_.fill_(init_scale_);
     if (growth_tracker_.defined()) growth_tracker_.fill_(tracker);
   }
 
@@ -460,22 +541,6 @@ class GradScaler : public detail::ScalerCore {
 #endif
   }
 
-  static double number(const c10::impl::GenericDict& dict, const char* key) {
-    MIXPREC_CHECK(dict.contains(key), "state dict lacks the key '", key, "'");
-    const auto value = dict.at(key);
-    MIXPREC_CHECK(value.isDouble() || value.isInt(), "state dict key '", key,
-                  "' must be a number, got ", value.tagKind());
-    return value.isDouble() ? value.toDouble() : static_cast<double>(value.toInt());
-  }
-
-  static std::int64_t integer(const c10::impl::GenericDict& dict, const char* key) {
-    MIXPREC_CHECK(dict.contains(key), "state dict lacks the key '", key, "'");
-    const auto value = dict.at(key);
-    MIXPREC_CHECK(value.isInt(), "state dict key '", key, "' must be an integer, got ",
-                  value.tagKind());
-    return value.toInt();
-  }
-
   GradScalerOptions options_;
   at::Tensor growth_tracker_;  // 0-dim int32 beside scale_ from the first update(), as the kernel wants
   std::int64_t growth_tracker_init_;
@@ -486,37 +551,49 @@ class GradScaler : public detail::ScalerCore {
 class StaticScaler : public detail::ScalerCore {
  public:
   explicit StaticScaler(double scale = 1.0, bool allow_fp16_grads = false)
-      : ScalerCore(scale, true, allow_fp16_grads) {
-    MIXPREC_CHECK(std::isfinite(scale) && scale > 0, "StaticScaler needs a finite scale > 0, got ",
-                  scale);
-  }
-  /// From GradScalerOptions, as the Trainer builds scalers: init_scale is the fixed scale.
+      : ScalerCore(detail::checked_scale(scale, "StaticScaler's scale"), true, allow_fp16_grads) {}
+  /// From GradScalerOptions, as the Trainer builds scalers: init_scale is the fixed scale, and
+  /// the dynamic settings, which it would ignore, must keep their defaults.
   explicit StaticScaler(const GradScalerOptions& options)
-      : StaticScaler(options.init_scale(), options.allow_fp16_grads()) {}
+      : StaticScaler(static_only(options).init_scale(), options.allow_fp16_grads()) {}
 
   /// Ends the iteration; the scale stays.
   void update() { (void)take_found_inf("update()"); }
 
+  /// Sets the scale (a normal fp32 value).
   void update(double new_scale) {
-    MIXPREC_CHECK(std::isfinite(new_scale) && new_scale > 0,
-                  "update(new_scale) needs a finite scale > 0, got ", new_scale);
+    const auto scale = detail::checked_scale(new_scale, "update(new_scale)");
     reset_stages();
-    if (scale_.defined()) scale_.fill_(new_scale);
-    init_scale_ = new_scale;
+    set_scale(scale);
   }
 
   bool is_enabled() const noexcept { return true; }
 
+  /// {"scale": the scale}.
   c10::impl::GenericDict state_dict() const {
     c10::impl::GenericDict dict(c10::StringType::get(), c10::AnyType::get());
     dict.insert("scale", get_scale());
     return dict;
   }
 
+  /// Loads the scale of a StaticScaler's (or a GradScaler's) state dict.
   void load_state_dict(const c10::impl::GenericDict& dict) {
-    MIXPREC_CHECK(dict.contains("scale") && (dict.at("scale").isDouble()),
-                  "StaticScaler::load_state_dict needs a 'scale' number");
-    update(dict.at("scale").toDouble());
+    set_scale(detail::checked_scale(detail::state_number(dict, "scale"), "state dict's scale"));
+  }
+
+ private:
+  static const GradScalerOptions& static_only(const GradScalerOptions& o) {
+    const GradScalerOptions d;
+    MIXPREC_CHECK(o.enabled() && o.growth_factor() == d.growth_factor() &&
+                      o.backoff_factor() == d.backoff_factor() &&
+                      o.growth_interval() == d.growth_interval() &&
+                      o.hysteresis() == d.hysteresis() && o.min_scale() == d.min_scale() &&
+                      o.max_scale() == d.max_scale(),
+                  "StaticScaler keeps its scale fixed: of GradScalerOptions it uses init_scale and "
+                  "allow_fp16_grads only, and would ignore enabled(false), growth_factor, "
+                  "backoff_factor, growth_interval, hysteresis, min_scale and max_scale; leave "
+                  "them at their defaults, or use GradScaler (dynamic) or NoScaler (no scaling)");
+    return o;
   }
 };
 
