@@ -8,47 +8,78 @@
 #include <ATen/ATen.h>
 #include <torch/optim/optimizer.h>
 
+#include <cstddef>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 namespace mixprec {
+
+namespace detail {
+
+/// Each tensor once, in first-seen order: LibTorch's Module::parameters() lists a module
+/// registered under two names (tied weights) once per name; Python de-duplicates.
+inline std::vector<at::Tensor> unique_tensors(const std::vector<at::Tensor>& tensors) {
+  std::unordered_set<const void*> seen;
+  std::vector<at::Tensor> result;
+  for (const auto& t : tensors) {
+    if (seen.insert(t.unsafeGetTensorImpl()).second) result.push_back(t);
+  }
+  return result;
+}
+
+/// The tensors of every param group, in order.
+inline std::vector<at::Tensor> optimizer_tensors(const torch::optim::Optimizer& optimizer) {
+  std::vector<at::Tensor> result;
+  for (const auto& group : optimizer.param_groups()) {
+    result.insert(result.end(), group.params().begin(), group.params().end());
+  }
+  return result;
+}
+
+/// The number of tensors in each param group: a cheap test for groups added since.
+inline std::vector<std::size_t> group_sizes(const torch::optim::Optimizer& optimizer) {
+  std::vector<std::size_t> sizes;
+  for (const auto& group : optimizer.param_groups()) sizes.push_back(group.params().size());
+  return sizes;
+}
+
+inline bool same_group_sizes(const torch::optim::Optimizer& optimizer,
+                             const std::vector<std::size_t>& sizes) {
+  const auto& groups = optimizer.param_groups();
+  if (groups.size() != sizes.size()) return false;
+  for (std::size_t g = 0; g < sizes.size(); ++g) {
+    if (groups[g].params().size() != sizes[g]) return false;
+  }
+  return true;
+}
+
+/// Drops the repeats of a tensor within each param group, so that the optimizer steps it once
+/// (a group built on model->parameters() lists tied weights once per name).
+inline void dedupe_param_groups(torch::optim::Optimizer& optimizer) {
+  for (auto& group : optimizer.param_groups()) {
+    auto& params = group.params();
+    if (unique_tensors(params).size() != params.size()) params = unique_tensors(params);
+  }
+}
+
+}  // namespace detail
 
 class MasterWeights {
  public:
   /// Masters for the (already cast) parameters the optimizer holds, from `fp32_values` (the
   /// values of `model_params` before the cast, so the masters are exact); rebinds `optimizer`
   /// from the model's tensors to them. Pairing is by tensor identity: any parameter-group order,
-  /// a subset of the model (frozen layers left out) and tied weights all work. fp32 parameters
-  /// (kept BatchNorm) are their own masters.
+  /// a subset of the model (frozen layers left out) and tied weights (one master, listed once
+  /// per group afterwards) all work. fp32 parameters (kept BatchNorm) are their own masters.
   MasterWeights(const std::vector<at::Tensor>& model_params,
                 const std::vector<at::Tensor>& fp32_values, torch::optim::Optimizer& optimizer) {
-    MIXPREC_CHECK(fp32_values.size() == model_params.size(), "MasterWeights needs one fp32 "
-                  "value per parameter, got ", fp32_values.size(), " for ", model_params.size());
     check_rebindable(model_params, optimizer);
-    std::unordered_map<const void*, std::size_t> model_index;
-    for (std::size_t i = 0; i < model_params.size(); ++i) {
-      model_index.emplace(model_params[i].unsafeGetTensorImpl(), i);
-    }
-    std::unordered_map<const void*, at::Tensor> master_of;  // one master per model tensor
-    for (auto& group : optimizer.param_groups()) {
-      for (auto& p : group.params()) {
-        const auto i = model_index.at(p.unsafeGetTensorImpl());
-        auto [it, inserted] = master_of.try_emplace(p.unsafeGetTensorImpl());
-        if (inserted) {
-          const auto& model = model_params[i];
-          it->second = model.scalar_type() == at::kFloat
-                           ? model
-                           : fp32_values[i].detach().to(at::kFloat).clone().requires_grad_(
-                                 model.requires_grad());
-          pairs_.push_back({model, it->second});
-        }
-        sources_.push_back(model_params[i]);
-        p = it->second;
-      }
-    }
+    bind(model_params, fp32_values, optimizer);
   }
 
-  /// Throws unless `optimizer` has no state and holds only tensors of `model_params`.
+  /// Throws unless `optimizer` has no state and holds only tensors of `model_params`, each in
+  /// one param group.
   static void check_rebindable(const std::vector<at::Tensor>& model_params,
                                const torch::optim::Optimizer& optimizer) {
     MIXPREC_CHECK(optimizer.state().empty(),
@@ -57,23 +88,68 @@ class MasterWeights {
     check_params_of(model_params, optimizer);
   }
 
-  /// Throws unless every tensor `optimizer` holds is one of `model_params`.
+  /// Throws unless every tensor `optimizer` holds is one of `model_params`, and none is in two
+  /// param groups (PyTorch refuses that too).
   static void check_params_of(const std::vector<at::Tensor>& model_params,
                               const torch::optim::Optimizer& optimizer) {
-    std::unordered_map<const void*, std::size_t> index;
-    for (std::size_t i = 0; i < model_params.size(); ++i) {
-      index.emplace(model_params[i].unsafeGetTensorImpl(), i);
-    }
+    check_groups(model_params, optimizer, nullptr);
+  }
+
+  /// Throws unless every tensor `optimizer` holds is a master, or one of `model_params` that
+  /// has none yet (a param group added since), and none is in two param groups.
+  void check_bindable(const std::vector<at::Tensor>& model_params,
+                      const torch::optim::Optimizer& optimizer) const {
+    check_groups(model_params, optimizer, this);
+  }
+
+  /// The model tensors the optimizer holds that have no master yet, each once.
+  std::vector<at::Tensor> unbound(const torch::optim::Optimizer& optimizer) const {
+    std::vector<at::Tensor> result;
     for (const auto& group : optimizer.param_groups()) {
       for (const auto& p : group.params()) {
-        MIXPREC_CHECK(index.count(p.unsafeGetTensorImpl()) == 1,
-                      "the optimizer holds a tensor of shape ", p.sizes(), " that is not a "
-                      "parameter of the model: build it on model->parameters()");
+        if (pair_of_master_.count(p.unsafeGetTensorImpl()) == 0) result.push_back(p);
+      }
+    }
+    return detail::unique_tensors(result);
+  }
+
+  /// Makes masters for the optimizer's tensors that have none, from their entries in
+  /// `model_params`/`fp32_values`, and rebinds the optimizer to them; the construction and a
+  /// param group added later (after check_bindable) go through here.
+  void bind(const std::vector<at::Tensor>& model_params,
+            const std::vector<at::Tensor>& fp32_values, torch::optim::Optimizer& optimizer) {
+    MIXPREC_CHECK(fp32_values.size() == model_params.size(), "MasterWeights needs one fp32 "
+                  "value per parameter, got ", fp32_values.size(), " for ", model_params.size());
+    std::unordered_map<const void*, std::size_t> model_index;
+    for (std::size_t i = 0; i < model_params.size(); ++i) {
+      model_index.emplace(model_params[i].unsafeGetTensorImpl(), i);
+    }
+    detail::dedupe_param_groups(optimizer);
+    for (auto& group : optimizer.param_groups()) {
+      for (auto& p : group.params()) {
+        if (pair_of_master_.count(p.unsafeGetTensorImpl()) == 1) continue;
+        const auto i = model_index.at(p.unsafeGetTensorImpl());
+        const auto& model = model_params[i];
+        const auto master = model.scalar_type() == at::kFloat
+                                ? model
+                                : fp32_values[i].detach().to(at::kFloat).clone().requires_grad_(
+                                      model.requires_grad());
+        pair_of_master_.emplace(master.unsafeGetTensorImpl(), pairs_.size());
+        pair_of_model_.emplace(model.unsafeGetTensorImpl(), pairs_.size());
+        pairs_.push_back({model, master});
+        p = master;
+      }
+    }
+    sources_.clear();
+    for (const auto& group : optimizer.param_groups()) {
+      for (const auto& p : group.params()) {
+        sources_.push_back(pairs_[pair_of_master_.at(p.unsafeGetTensorImpl())].model);
       }
     }
   }
 
-  /// The fp32 tensors the optimizer updates, one per model tensor, in the optimizer's order.
+  /// The fp32 tensors the optimizer updates, one per model tensor, in the order they were
+  /// bound (the optimizer's order; a late param group's at the end).
   std::vector<at::Tensor> masters() const {
     std::vector<at::Tensor> result;
     for (const auto& pair : pairs_) result.push_back(pair.master);
@@ -87,6 +163,10 @@ class MasterWeights {
   /// Adds the model's gradients into the masters' fp32 gradients and zeroes the model's, so
   /// that gradients accumulated over micro-batches sum in fp32, not in the model's dtype.
   void accumulate_grads() {
+    for (const auto& pair : pairs_) {  // all checked before any is changed
+      MIXPREC_CHECK(!pair.model.grad().defined() || !pair.model.grad().is_sparse(),
+                    kSparseMessage);
+    }
     at::NoGradGuard no_grad;
     for (auto& pair : pairs_) {
       if (pair.master.is_same(pair.model) || !pair.model.grad().defined()) continue;
@@ -106,11 +186,42 @@ class MasterWeights {
   }
 
  private:
+  static constexpr const char* kSparseMessage =
+      "fp32 master weights take dense gradients: a sparse gradient (an Embedding or "
+      "EmbeddingBag with sparse(true)) cannot be trained under MixedO2; use sparse(false)";
+
   struct Pair {
     at::Tensor model;
     at::Tensor master;
   };
+
+  static void check_groups(const std::vector<at::Tensor>& model_params,
+                           const torch::optim::Optimizer& optimizer, const MasterWeights* self) {
+    std::unordered_set<const void*> model;
+    for (const auto& p : model_params) model.insert(p.unsafeGetTensorImpl());
+    std::unordered_map<const void*, std::size_t> group_of;
+    const auto& groups = optimizer.param_groups();
+    for (std::size_t g = 0; g < groups.size(); ++g) {
+      for (const auto& p : groups[g].params()) {
+        const void* id = p.unsafeGetTensorImpl();
+        if (self == nullptr || self->pair_of_master_.count(id) == 0) {
+          MIXPREC_CHECK(model.count(id) == 1, "the optimizer holds a tensor of shape ", p.sizes(),
+                        " that is not a parameter of the model: build it on model->parameters()");
+          MIXPREC_CHECK(self == nullptr || self->pair_of_model_.count(id) == 0, "param group ", g,
+                        " holds a model tensor of shape ", p.sizes(), " that the optimizer "
+                        "already trains through its fp32 master: put each tensor in one group");
+        }
+        const auto [it, inserted] = group_of.try_emplace(id, g);
+        MIXPREC_CHECK(inserted || it->second == g, "a tensor of shape ", p.sizes(), " is in "
+                      "param groups ", it->second, " and ", g, " of the optimizer (PyTorch "
+                      "refuses this too): put each tensor in one group");
+      }
+    }
+  }
+
   std::vector<Pair> pairs_;
+  std::unordered_map<const void*, std::size_t> pair_of_master_;  // master -> its index in pairs_
+  std::unordered_map<const void*, std::size_t> pair_of_model_;   // model tensor -> the same
   std::vector<at::Tensor> sources_;
 };
 

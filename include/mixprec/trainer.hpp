@@ -17,7 +17,7 @@
 
 #include <mixprec/autocast.hpp>
 #include <mixprec/concepts.hpp>
-#include <mixprec/detail/atomic_file.hpp>
+#include <mixprec/detail/checkpoint_file.hpp>
 #include <mixprec/detail/model_cast.hpp>
 #include <mixprec/error.hpp>
 #include <mixprec/master_weights.hpp>
@@ -29,7 +29,11 @@
 #include <torch/arg.h>
 #include <torch/nn/module.h>
 #include <torch/nn/pimpl.h>
+#include <torch/optim/adagrad.h>
+#include <torch/optim/adam.h>
+#include <torch/optim/adamw.h>
 #include <torch/optim/optimizer.h>
+#include <torch/optim/rmsprop.h>
 #include <torch/serialize/archive.h>
 
 #include <cmath>
@@ -39,7 +43,6 @@
 #include <mutex>
 #include <optional>
 #include <ostream>
-#include <sstream>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -125,20 +128,60 @@ void check_half_math(const torch::nn::Module& model) {
   }
 }
 
-// Restores train/eval mode on scope exit.
+// PureHalf<Half> keeps the optimizer state in fp16, where Adam's default eps (1e-8) is 0: once a
+// squared gradient underflows, the update divides by zero and the weights turn inf/NaN although
+// no gradient did. An eps fp16 can hold avoids that; refuse the others before anything changes.
+template <class P>
+void check_optimizer_constants(const torch::optim::Optimizer& optimizer) {
+  if constexpr (P::cast_model && !P::master_weights && P::low_dtype == c10::ScalarType::Half) {
+    for (const auto& group : optimizer.param_groups()) {
+      const auto* options = &group.options();
+      std::optional<double> eps;
+      if (const auto* adam = dynamic_cast<const torch::optim::AdamOptions*>(options)) {
+        eps = adam->eps();
+      } else if (const auto* adamw = dynamic_cast<const torch::optim::AdamWOptions*>(options)) {
+        eps = adamw->eps();
+      } else if (const auto* rmsprop = dynamic_cast<const torch::optim::RMSpropOptions*>(options)) {
+        eps = rmsprop->eps();
+      } else if (const auto* adagrad = dynamic_cast<const torch::optim::AdagradOptions*>(options)) {
+        eps = adagrad->eps();
+      }
+      MIXPREC_CHECK(!eps || static_cast<float>(c10::Half(static_cast<float>(*eps))) > 0.0F,
+                    "Trainer<", P::name, ">: the optimizer's eps ", eps.value_or(0.0),
+                    " is 0 in fp16, where ", P::name, " keeps the optimizer state: the first "
+                    "squared gradient that underflows divides by zero and turns the weights "
+                    "inf/NaN. Set eps >= 1e-4 (e.g. AdamOptions(lr).eps(1e-4)), or use "
+                    "MixedO2<at::Half> (fp32 master weights and optimizer state)");
+    }
+  }
+}
+
+// Sets a module and all its submodules to train or eval mode; on scope exit restores each
+// module's own mode, so that a BatchNorm the user froze with eval() stays frozen.
 class TrainingModeGuard {
  public:
   TrainingModeGuard(torch::nn::Module& module, bool training)
-      : module_(module), was_training_(module.is_training()) {
+      : module_(module), was_training_(module.is_training()), submodules_(module.modules(false)) {
+    for (const auto& m : submodules_) submodule_was_training_.push_back(m->is_training());
     module_.train(training);
   }
-  ~TrainingModeGuard() { module_.train(was_training_); }
+  ~TrainingModeGuard() {
+    // train() is recursive; submodules are listed parents first, so each call is corrected
+    // by those of the descendants that follow it.
+    if (module_.is_training() != was_training_) module_.train(was_training_);
+    for (std::size_t i = 0; i < submodules_.size(); ++i) {
+      const bool was = submodule_was_training_[i];
+      if (submodules_[i]->is_training() != was) submodules_[i]->train(was);
+    }
+  }
   TrainingModeGuard(const TrainingModeGuard&) = delete;
   TrainingModeGuard& operator=(const TrainingModeGuard&) = delete;
 
  private:
   torch::nn::Module& module_;
   bool was_training_;
+  std::vector<std::shared_ptr<torch::nn::Module>> submodules_;  // pre-order
+  std::vector<bool> submodule_was_training_;
 };
 
 }  // namespace detail
@@ -155,7 +198,9 @@ class Trainer {
   using scaler_type = typename P::scaler_type;
 
   /// Casts the model as P says and, for MixedO2, rebinds the optimizer to fp32 master weights.
-  /// The model must be fp32 and the optimizer built on its parameters, before any step.
+  /// The model must be fp32, trained by no other live Trainer, and the optimizer built on its
+  /// parameters (each in one group; a tensor listed twice in a group is kept once), before any
+  /// step. Param groups added later are adopted at the next step.
   Trainer(std::shared_ptr<torch::nn::Module> model, torch::optim::Optimizer& optimizer,
           TrainerOptions options = {})
       : model_(std::move(model)),
@@ -164,6 +209,7 @@ class Trainer {
         scaler_(detail::make_scaler<P>(options_)) {
     MIXPREC_CHECK(model_ != nullptr, "Trainer got a null model");
     detail::check_half_math<P>(*model_);
+    detail::check_optimizer_constants<P>(optimizer);
     MIXPREC_CHECK(options_.accumulation_steps() >= 1,
                   "TrainerOptions::accumulation_steps must be >= 1, got ",
                   options_.accumulation_steps());
@@ -174,21 +220,26 @@ class Trainer {
     }
     const auto named = model_->named_parameters();
     MIXPREC_CHECK(named.size() > 0, "the model has no parameters: nothing to train");
+    // Each tensor once (tied weights are listed once per name). Claimed before the dtype check:
+    // a model that a live O2/O3 Trainer has cast is that Trainer's, not a Low model of the user's.
+    const auto params = detail::unique_tensors(model_->parameters());
+    auto claim = detail::ModelClaim::acquire(params, P::name);
     for (const auto& item : named) {
       const auto dtype = item.value().scalar_type();
       MIXPREC_CHECK(!at::isFloatingType(dtype) || dtype == at::kFloat, "parameter '", item.key(),
                     "' is ", dtype, ", but Trainer<", P::name, "> expects an fp32 model and "
                     "casts it itself: build the model in fp32 (drop the ->to(", dtype, "))");
     }
-    const auto params = model_->parameters();
     if constexpr (P::master_weights) {
       MasterWeights::check_rebindable(params, optimizer);
+      detail::check_dense_gradients(*model_, detail::optimizer_tensors(optimizer), P::name);
     } else {
       MasterWeights::check_params_of(params, optimizer);
     }
     device_type_ = params.front().device().type();
-    params_ = params;
     // All checks passed: from here on the model and optimizer change.
+    claim_ = std::move(claim);
+    params_ = params;
     if constexpr (P::cast_model) {
       std::vector<at::Tensor> fp32_values;
       if constexpr (P::master_weights) {
@@ -197,6 +248,8 @@ class Trainer {
       detail::cast_model(*model_, P::low_dtype, P::keep_norm_fp32);
       if constexpr (P::master_weights) masters_.emplace(params, fp32_values, optimizer);
     }
+    detail::dedupe_param_groups(optimizer);  // the optimizer steps each tensor once
+    group_sizes_ = detail::group_sizes(optimizer);
   }
 
   /// For a ModuleHolder such as torch::nn::Sequential.
@@ -211,6 +264,9 @@ class Trainer {
   /// unscales, clips, steps (or skips on inf/NaN) and updates the scale.
   template <class LossFn>
   StepReport step(LossFn&& loss_fn) {
+    // Comparing the groups' sizes is cheap; a group added since is adopted before the forward
+    // pass, which must already see its tensors cast.
+    if (!detail::same_group_sizes(*optimizer_, group_sizes_)) adopt_param_groups();
     at::Tensor loss;
     {
       auto guard = autocast<P>(device_type_);
@@ -275,7 +331,8 @@ class Trainer {
     return report;
   }
 
-  /// Runs `forward` in eval mode, without grad, in the policy's precision; restores the mode.
+  /// Runs `forward` with every module in eval mode, without grad, in the policy's precision;
+  /// then restores each module's own mode.
   template <class Forward>
   auto evaluate(Forward&& forward) {
     at::NoGradGuard no_grad;
@@ -301,7 +358,7 @@ class Trainer {
   const TrainerOptions& options() const noexcept { return options_; }
 
   /// The fp32 master weights (MixedO2), one per model tensor the optimizer holds, in the
-  /// optimizer's order; empty for the other policies.
+  /// optimizer's order (a param group added later at the end); empty for the other policies.
   std::vector<at::Tensor> master_weights() const {
     return masters_ ? masters_->masters() : std::vector<at::Tensor>{};
   }
@@ -312,54 +369,72 @@ class Trainer {
     return s;
   }
 
-  /// Writes model, optimizer, scaler, master weights, counters and the CPU RNG state to
-  /// `path` atomically. Call between optimizer steps, not in the middle of an accumulation.
+  /// Writes model, optimizer (state and param-group options), scaler, master weights, counters
+  /// and the CPU RNG state to `path` atomically, with a checksum that load() verifies. Call
+  /// between optimizer steps, not in the middle of an accumulation.
   void save(const std::string& path) const {
     MIXPREC_CHECK(pending_ == 0, "save() in the middle of an accumulation (", pending_, " of ",
                   options_.accumulation_steps(), " micro-batches): save after a step");
-    torch::serialize::OutputArchive archive;
-    archive.write("mixprec.policy", c10::IValue(std::string(P::name)));
-    archive.write("mixprec.counters",
-                  at::tensor({stats_.steps, stats_.skipped_steps, stats_.micro_batches}, at::kLong));
-    for (const auto& item : model_->named_parameters()) {
-      archive.write("model." + item.key(), item.value().detach());
+    try {
+      torch::serialize::OutputArchive archive;
+      archive.write("mixprec.policy", c10::IValue(std::string(P::name)));
+      archive.write("mixprec.counters", at::tensor({stats_.steps, stats_.skipped_steps,
+                                                    stats_.micro_batches}, at::kLong));
+      for (const auto& item : model_->named_parameters()) {
+        archive.write("model." + item.key(), item.value().detach());
+      }
+      for (const auto& item : model_->named_buffers()) {
+        archive.write("model." + item.key(), item.value(), /*is_buffer=*/true);
+      }
+      const auto masters = master_weights();
+      for (std::size_t i = 0; i < masters.size(); ++i) {
+        archive.write("masters." + std::to_string(i), masters[i].detach());
+      }
+      torch::serialize::OutputArchive optimizer_archive;
+      optimizer_->save(optimizer_archive);
+      archive.write("optimizer", optimizer_archive);
+      // LibTorch 1.13 does not restore param-group options (a scheduler's lr): record them, and
+      // the group sizes, which load() checks before it touches the optimizer.
+      torch::serialize::OutputArchive groups_archive;
+      std::vector<std::int64_t> group_sizes;
+      for (std::size_t g = 0; g < optimizer_->param_groups().size(); ++g) {
+        const auto& group = optimizer_->param_groups()[g];
+        group_sizes.push_back(static_cast<std::int64_t>(group.params().size()));
+        torch::serialize::OutputArchive options_archive;
+        group.options().serialize(options_archive);
+        groups_archive.write(std::to_string(g), options_archive);
+      }
+      groups_archive.write("sizes", at::tensor(group_sizes, at::kLong));
+      archive.write("optimizer.groups", groups_archive);
+      archive.write("scaler", c10::IValue(scaler_.state_dict()));
+      archive.write("rng.cpu", cpu_rng_state());
+      detail::save_checkpoint(archive, path);
+    } catch (const Error&) {
+      throw;
+    } catch (const std::exception& e) {
+      detail::fail("cannot write checkpoint '", path, "': ", detail::message_of(e));
     }
-    for (const auto& item : model_->named_buffers()) {
-      archive.write("model." + item.key(), item.value(), /*is_buffer=*/true);
-    }
-    const auto masters = master_weights();
-    for (std::size_t i = 0; i < masters.size(); ++i) {
-      archive.write("masters." + std::to_string(i), masters[i].detach());
-    }
-    torch::serialize::OutputArchive optimizer_archive;
-    optimizer_->save(optimizer_archive);
-    archive.write("optimizer", optimizer_archive);
-    archive.write("scaler", c10::IValue(scaler_.state_dict()));
-    archive.write("rng.cpu", cpu_rng_state());
-    detail::write_atomically(path, [&](const std::string& temporary) { archive.save_to(temporary); });
   }
 
-  /// Restores a checkpoint written by save() of a Trainer of the same policy and model.
-  /// A missing, truncated or foreign file throws mixprec::Error and changes nothing.
+  /// Restores a checkpoint written by save() of a Trainer of the same policy, model and
+  /// optimizer: the optimizer's state and param-group options become the saved ones exactly,
+  /// and an accumulation in progress is discarded. Anything else (a missing, truncated,
+  /// corrupted or foreign file; another model or optimizer) throws mixprec::Error and changes
+  /// nothing.
   void load(const std::string& path) {
+    const auto bytes = detail::read_checkpoint(path);
     torch::serialize::InputArchive archive;
     try {
-      archive.load_from(path);
-    } catch (const c10::Error& e) {
-      detail::fail("cannot read checkpoint '", path, "' (missing, truncated or not a "
-                   "checkpoint): ", e.what_without_backtrace());
+      archive.load_from(bytes.data(), bytes.size());
+    } catch (const std::exception& e) {
+      detail::fail("cannot read checkpoint '", path, "': ", detail::message_of(e));
     }
-    c10::IValue policy_name;
-    MIXPREC_CHECK(archive.try_read("mixprec.policy", policy_name) && policy_name.isString(),
-                  "'", path, "' is not a mixprec checkpoint (no policy recorded)");
-    MIXPREC_CHECK(policy_name.toStringRef() == P::name, "checkpoint '", path, "' was written "
-                  "by Trainer<", policy_name.toStringRef(), ">, this is Trainer<", P::name,
-                  ">: load it with the same policy");
     try {
       load_checked(archive, path);
-    } catch (const c10::Error& e) {
-      detail::fail("checkpoint '", path, "' does not fit this trainer: ",
-                   e.what_without_backtrace());
+    } catch (const Error&) {
+      throw;
+    } catch (const std::exception& e) {  // c10::Error, or torch::jit::ErrorReport, which is not
+      detail::fail("checkpoint '", path, "' does not fit this trainer: ", detail::message_of(e));
     }
   }
 
@@ -374,6 +449,42 @@ class Trainer {
       }
     }
     if (masters_) optimizer_->zero_grad();
+  }
+
+  // A param group added after construction (progressive unfreezing): checked as the
+  // constructor checks the optimizer, its fp32 tensors cast per P, masters made from their
+  // current values under MixedO2. Nothing changes unless all of it can be done.
+  void adopt_param_groups() {
+    MIXPREC_CHECK(pending_ == 0, "the optimizer's param groups changed in the middle of an "
+                  "accumulation (", pending_, " of ", options_.accumulation_steps(),
+                  " micro-batches): add param groups between optimizer steps");
+    const auto params = detail::unique_tensors(model_->parameters());
+    if (masters_) {
+      masters_->check_bindable(params, *optimizer_);
+    } else {
+      MasterWeights::check_params_of(params, *optimizer_);
+    }
+    const auto fresh = masters_ ? masters_->unbound(*optimizer_)
+                                : detail::unique_tensors(detail::optimizer_tensors(*optimizer_));
+    for (const auto& p : fresh) {
+      const auto dtype = p.scalar_type();
+      MIXPREC_CHECK(dtype == at::kFloat || (P::cast_model && dtype == P::low_dtype), "the "
+                    "optimizer holds a ", dtype, " tensor of shape ", p.sizes(), ", but Trainer<",
+                    P::name, "> trains fp32 tensors and casts them itself: register it in fp32");
+    }
+    if (masters_) detail::check_dense_gradients(*model_, fresh, P::name);
+    auto claim = detail::ModelClaim::acquire(params, P::name, claim_.get());
+    // All checks passed.
+    claim_ = std::move(claim);
+    std::vector<at::Tensor> fp32_values;
+    if (masters_) {
+      for (const auto& p : fresh) fp32_values.push_back(p.detach().to(at::kFloat).clone());
+    }
+    if constexpr (P::cast_model) detail::cast_model(*model_, P::low_dtype, P::keep_norm_fp32, &fresh);
+    if (masters_) masters_->bind(fresh, fp32_values, *optimizer_);
+    detail::dedupe_param_groups(*optimizer_);
+    params_ = params;
+    group_sizes_ = detail::group_sizes(*optimizer_);
   }
 
   void notify(const StepReport& report) const {
@@ -398,8 +509,15 @@ class Trainer {
 
   // Reads everything into temporaries first; assigns only when all of it is there and fits.
   void load_checked(torch::serialize::InputArchive& archive, const std::string& path) {
+    c10::IValue policy_name;
+    MIXPREC_CHECK(archive.try_read("mixprec.policy", policy_name) && policy_name.isString(),
+                  "'", path, "' is not a mixprec checkpoint (no policy recorded)");
+    MIXPREC_CHECK(policy_name.toStringRef() == P::name, "checkpoint '", path, "' was written "
+                  "by Trainer<", policy_name.toStringRef(), ">, this is Trainer<", P::name,
+                  ">: load it with the same policy");
     at::Tensor counters;
-    MIXPREC_CHECK(archive.try_read("mixprec.counters", counters) && counters.numel() == 3,
+    MIXPREC_CHECK(archive.try_read("mixprec.counters", counters) && counters.numel() == 3 &&
+                      counters.scalar_type() == at::kLong,
                   "'", path, "' lacks the step counters");
     std::vector<std::pair<at::Tensor, at::Tensor>> assignments;
     for (const auto& item : model_->named_parameters()) {
@@ -425,26 +543,56 @@ class Trainer {
     } catch (const c10::Error&) {
       detail::fail("'", path, "' holds an invalid RNG state");
     }
-    torch::serialize::InputArchive optimizer_archive;
-    MIXPREC_CHECK(archive.try_read("optimizer", optimizer_archive), "'", path,
-                  "' lacks the optimizer state");
+    torch::serialize::InputArchive optimizer_archive, groups_archive;
+    at::Tensor saved_sizes;
+    MIXPREC_CHECK(archive.try_read("optimizer", optimizer_archive) &&
+                      archive.try_read("optimizer.groups", groups_archive) &&
+                      groups_archive.try_read("sizes", saved_sizes) &&
+                      saved_sizes.scalar_type() == at::kLong && saved_sizes.dim() == 1,
+                  "'", path, "' lacks the optimizer state");
+    auto& groups = optimizer_->param_groups();
+    std::vector<std::int64_t> sizes;
+    for (const auto& group : groups) {
+      sizes.push_back(static_cast<std::int64_t>(group.params().size()));
+    }
+    const auto* saved_begin = saved_sizes.data_ptr<std::int64_t>();
+    const std::vector<std::int64_t> saved(saved_begin, saved_begin + saved_sizes.numel());
+    MIXPREC_CHECK(saved == sizes, "checkpoint '", path, "' holds an optimizer with param groups "
+                  "of sizes ", at::IntArrayRef(saved), ", this one has ", at::IntArrayRef(sizes),
+                  ": build the optimizer with the same param groups");
+    std::vector<std::unique_ptr<torch::optim::OptimizerOptions>> group_options;
+    for (std::size_t g = 0; g < groups.size(); ++g) {
+      torch::serialize::InputArchive options_archive;
+      MIXPREC_CHECK(groups_archive.try_read(std::to_string(g), options_archive), "'", path,
+                    "' lacks the options of param group ", g);
+      group_options.push_back(groups[g].options().clone());
+      try {
+        group_options.back()->serialize(options_archive);
+      } catch (const std::exception& e) {
+        detail::fail("checkpoint '", path, "' holds options of another optimizer type for param "
+                     "group ", g, ": ", detail::message_of(e));
+      }
+    }
     auto scaler = detail::make_scaler<P>(options_);  // validates the state before any change
     scaler.load_state_dict(scaler_state.toGenericDict());
 
-    // The optimizer is the one part that loads in place: keep a copy to roll back to.
-    std::stringstream backup;
-    {
-      torch::serialize::OutputArchive current;
-      optimizer_->save(current);
-      current.save_to(backup);
-    }
+    // The optimizer loads in place, and LibTorch's load() only adds state: start from none,
+    // and put the previous state (the same objects) and options back if it throws.
+    std::vector<std::unique_ptr<torch::optim::OptimizerOptions>> previous_options;
+    for (const auto& group : groups) previous_options.push_back(group.options().clone());
+    auto previous_state = std::move(optimizer_->state());
+    optimizer_->state().clear();
     try {
       optimizer_->load(optimizer_archive);
     } catch (...) {
-      torch::serialize::InputArchive previous;
-      previous.load_from(backup);
-      optimizer_->load(previous);
+      optimizer_->state() = std::move(previous_state);
+      for (std::size_t g = 0; g < groups.size(); ++g) {
+        groups[g].set_options(std::move(previous_options[g]));
+      }
       throw;
+    }
+    for (std::size_t g = 0; g < groups.size(); ++g) {
+      groups[g].set_options(std::move(group_options[g]));
     }
     at::NoGradGuard no_grad;
     for (auto& [target, value] : assignments) target.copy_(value);
@@ -460,11 +608,17 @@ class Trainer {
     stats_.steps = counters[0].item<std::int64_t>();
     stats_.skipped_steps = counters[1].item<std::int64_t>();
     stats_.micro_batches = counters[2].item<std::int64_t>();
+    // Micro-batches accumulated before the load belong to another run: forget their losses
+    // (a NaN among them would skip the next step) and gradients.
     pending_ = 0;
+    loss_sum_ = at::Tensor();
+    zero_grads();
   }
 
   std::shared_ptr<torch::nn::Module> model_;
-  std::vector<at::Tensor> params_;  // model_->parameters(), listed once
+  std::shared_ptr<detail::ModelClaim> claim_;  // no other Trainer may train model_ meanwhile
+  std::vector<at::Tensor> params_;  // model_->parameters(), each tensor once
+  std::vector<std::size_t> group_sizes_;  // the optimizer's groups when params_ was made
   torch::optim::Optimizer* optimizer_;
   TrainerOptions options_;
   scaler_type scaler_;

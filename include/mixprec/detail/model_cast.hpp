@@ -1,10 +1,23 @@
 #pragma once
-// Casting a model's parameters and buffers to a policy's low dtype, module by module, so that
-// BatchNorm can stay fp32 (LibTorch's batch_norm takes bf16/fp16 input with fp32 weights and
-// running statistics; layer_norm and group_norm do not on the CPU of LibTorch 1.13).
+// What a Trainer does to its model as a whole: casting its parameters and buffers to a policy's
+// low dtype, module by module, so that BatchNorm can stay fp32 (LibTorch's batch_norm takes
+// bf16/fp16 input with fp32 weights and running statistics; layer_norm and group_norm do not on
+// the CPU of LibTorch 1.13); and claiming it, so that a second Trainer cannot cast or step it too.
+
+#include <mixprec/error.hpp>
 
 #include <torch/nn/module.h>
 #include <torch/nn/modules/batchnorm.h>
+#include <torch/nn/modules/embedding.h>
+
+#include <memory>
+#include <mutex>
+#include <string>
+#include <string_view>
+#include <unordered_map>
+#include <unordered_set>
+#include <utility>
+#include <vector>
 
 namespace mixprec::detail {
 
@@ -14,21 +27,99 @@ inline bool is_batch_norm(const torch::nn::Module& module) {
          dynamic_cast<const torch::nn::BatchNorm3dImpl*>(&module) != nullptr;
 }
 
+inline std::unordered_set<const void*> identities(const std::vector<at::Tensor>& tensors) {
+  std::unordered_set<const void*> result;
+  for (const auto& t : tensors) result.insert(t.unsafeGetTensorImpl());
+  return result;
+}
+
 /// Casts every floating parameter and buffer of `model` to `dtype`, except BatchNorm's when
-/// `keep_batch_norm_fp32`. Tensors keep their identity (set_data), so optimizers built on
-/// model->parameters() still point at them.
-inline void cast_model(torch::nn::Module& model, at::ScalarType dtype, bool keep_batch_norm_fp32) {
+/// `keep_batch_norm_fp32`; with `only`, just those of its parameters that are fp32 (a param
+/// group added after construction). Tensors keep their identity (set_data), so optimizers
+/// built on model->parameters() still point at them.
+inline void cast_model(torch::nn::Module& model, at::ScalarType dtype, bool keep_batch_norm_fp32,
+                       const std::vector<at::Tensor>* only = nullptr) {
+  const auto selected = only != nullptr ? identities(*only) : std::unordered_set<const void*>{};
   for (const auto& module : model.modules(/*include_self=*/true)) {
     if (keep_batch_norm_fp32 && is_batch_norm(*module)) continue;
     for (auto& item : module->named_parameters(/*recurse=*/false)) {
       auto& p = item.value();
-      if (at::isFloatingType(p.scalar_type())) p.set_data(p.data().to(dtype));
+      if (only != nullptr && (selected.count(p.unsafeGetTensorImpl()) == 0 || p.scalar_type() != at::kFloat)) {
+        continue;
+      }
+      if (at::isFloatingType(p.scalar_type()) && p.scalar_type() != dtype) {
+        p.set_data(p.data().to(dtype));
+        // A gradient left from before would stay fp32 and have every later one added into it.
+        p.mutable_grad() = at::Tensor();
+      }
     }
+    if (only != nullptr) continue;
     for (auto& item : module->named_buffers(/*recurse=*/false)) {
       auto& b = item.value();
       if (at::isFloatingType(b.scalar_type())) b.set_data(b.data().to(dtype));
     }
   }
 }
+
+/// Throws if one of `trained` is the weight of an Embedding or EmbeddingBag with sparse
+/// gradients: fp32 master weights take dense ones.
+inline void check_dense_gradients(const torch::nn::Module& model, const std::vector<at::Tensor>& trained,
+                                  std::string_view policy) {
+  const auto selected = identities(trained);
+  for (const auto& item : model.named_modules()) {
+    const auto* embedding = dynamic_cast<const torch::nn::EmbeddingImpl*>(item.value().get());
+    const auto* bag = dynamic_cast<const torch::nn::EmbeddingBagImpl*>(item.value().get());
+    const bool sparse = (embedding != nullptr && embedding->options.sparse()) ||
+                        (bag != nullptr && bag->options.sparse());
+    if (!sparse) continue;
+    const auto& weight = embedding != nullptr ? embedding->weight : bag->weight;
+    MIXPREC_CHECK(selected.count(weight.unsafeGetTensorImpl()) == 0, "module '", item.key(),
+                  "' has sparse gradients (sparse(true)), but ", policy, " keeps fp32 master "
+                  "weights, which take dense ones: build it with sparse(false), or leave its "
+                  "weight out of the optimizer");
+  }
+}
+
+/// A live Trainer's hold on its model's parameters. The registry keeps weak references, so the
+/// hold ends with the Trainer that has it (moving a Trainer moves its hold).
+class ModelClaim {
+ public:
+  /// Claims `params` for a Trainer of `policy`; throws if a live Trainer other than the holder
+  /// of `previous` (the caller's own earlier claim) trains any of them.
+  static std::shared_ptr<ModelClaim> acquire(const std::vector<at::Tensor>& params,
+                                             std::string_view policy,
+                                             const ModelClaim* previous = nullptr) {
+    auto& registry = instance();
+    std::lock_guard<std::mutex> lock(registry.mutex);
+    std::erase_if(registry.owners, [](const auto& entry) { return entry.second.expired(); });
+    for (const auto& p : params) {
+      const auto it = registry.owners.find(p.unsafeGetTensorImpl());
+      if (it == registry.owners.end()) continue;
+      const auto owner = it->second.lock();
+      MIXPREC_CHECK(owner == nullptr || owner.get() == previous, "Trainer<", policy, ">: a "
+                    "parameter of shape ", p.sizes(), " is trained by another Trainer<",
+                    owner->policy_, "> that is still alive. A Trainer casts its model and owns "
+                    "its gradients, so a second one would break the first one's steps: destroy "
+                    "the first Trainer (or train every part through one model and one Trainer)");
+    }
+    std::shared_ptr<ModelClaim> claim(new ModelClaim(std::string(policy)));
+    for (const auto& p : params) registry.owners[p.unsafeGetTensorImpl()] = claim;
+    return claim;
+  }
+
+ private:
+  explicit ModelClaim(std::string policy) : policy_(std::move(policy)) {}
+
+  struct Registry {
+    std::mutex mutex;
+    std::unordered_map<const void*, std::weak_ptr<ModelClaim>> owners;  // by TensorImpl
+  };
+  static Registry& instance() {
+    static Registry registry;
+    return registry;
+  }
+
+  std::string policy_;
+};
 
 }  // namespace mixprec::detail
