@@ -8,37 +8,80 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
-#include <functional>
 #include <string>
+#include <utility>
 
 #include <fcntl.h>
+#include <sys/types.h>
 #include <unistd.h>
 
 namespace mixprec::detail {
 
 inline void fsync_path(const std::string& path) {
-  const int fd = ::open(path.c_str(), O_RDONLY);
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   MIXPREC_CHECK(fd >= 0, "cannot open '", path, "' to sync it: ", std::strerror(errno));
   const int rc = ::fsync(fd);
   ::close(fd);
   MIXPREC_CHECK(rc == 0, "fsync of '", path, "' failed: ", std::strerror(errno));
 }
 
-/// Calls write(temporary_path), then moves the temporary over `path` durably.
-inline void write_atomically(const std::string& path,
-                             const std::function<void(const std::string&)>& write) {
-  const std::string temporary = path + ".tmp." + std::to_string(::getpid());
-  try {
-    write(temporary);
-    fsync_path(temporary);
-    MIXPREC_CHECK(std::rename(temporary.c_str(), path.c_str()) == 0, "cannot rename '",
-                  temporary, "' to '", path, "': ", std::strerror(errno));
-  } catch (...) {
-    std::remove(temporary.c_str());
-    throw;
+/// A file written to a temporary beside `path`; commit() moves it over `path` durably, and a
+/// file destroyed before commit() leaves no trace.
+class AtomicFile {
+ public:
+  explicit AtomicFile(std::string path)
+      : path_(std::move(path)), temporary_(path_ + ".tmp." + std::to_string(::getpid())) {
+    fd_ = ::open(temporary_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0666);
+    MIXPREC_CHECK(fd_ >= 0, "cannot write '", path_, "': cannot create '", temporary_, "': ",
+                  std::strerror(errno), " (does the directory exist and is it writable?)");
   }
-  auto directory = std::filesystem::path(path).parent_path();
-  fsync_path(directory.empty() ? std::string(".") : directory.string());
-}
+  ~AtomicFile() {
+    if (fd_ >= 0) ::close(fd_);
+    if (!committed_) ::unlink(temporary_.c_str());
+  }
+  AtomicFile(const AtomicFile&) = delete;
+  AtomicFile& operator=(const AtomicFile&) = delete;
+
+  /// Appends bytes; false after a failure, whose errno error() keeps for commit() to report.
+  /// Never throws, so that C code (LibTorch's zip writer) can call it.
+  bool write(const void* data, std::size_t size) noexcept {
+    const auto* bytes = static_cast<const char*>(data);
+    while (size > 0 && error_ == 0) {
+      const ::ssize_t n = ::write(fd_, bytes, size);
+      if (n < 0) {
+        if (errno != EINTR) error_ = errno;
+        continue;
+      }
+      bytes += n;
+      size -= static_cast<std::size_t>(n);
+    }
+    return error_ == 0;
+  }
+
+  /// The errno of the first failed write, 0 if none failed.
+  int error() const noexcept { return error_; }
+
+  /// Syncs the temporary and renames it over `path`.
+  void commit() {
+    MIXPREC_CHECK(error_ == 0, "cannot write '", path_, "': ", std::strerror(error_));
+    MIXPREC_CHECK(::fsync(fd_) == 0, "cannot write '", path_, "': fsync failed: ",
+                  std::strerror(errno));
+    const int rc = ::close(fd_);  // where a file system reports deferred write errors
+    fd_ = -1;
+    MIXPREC_CHECK(rc == 0, "cannot write '", path_, "': ", std::strerror(errno));
+    MIXPREC_CHECK(std::rename(temporary_.c_str(), path_.c_str()) == 0, "cannot write '", path_,
+                  "': cannot rename '", temporary_, "' to it: ", std::strerror(errno));
+    committed_ = true;
+    const auto directory = std::filesystem::path(path_).parent_path();
+    fsync_path(directory.empty() ? std::string(".") : directory.string());
+  }
+
+ private:
+  std::string path_;
+  std::string temporary_;
+  int fd_ = -1;
+  int error_ = 0;
+  bool committed_ = false;
+};
 
 }  // namespace mixprec::detail
