@@ -387,7 +387,7 @@ TEST_CASE("every corruption of a checkpoint is a mixprec::Error that changes not
     }
     CHECK(refused == static_cast<int>(positions.size()));
   }
-  SUBCASE("truncated or extended") {
+  SUBCASE("truncated, extended, missing or a directory") {
     for (const std::size_t size : {std::size_t{0}, std::size_t{1}, bytes.size() / 2,
                                    bytes.size() - 25, bytes.size() - 24, bytes.size() - 1}) {
       CAPTURE(size);
@@ -396,6 +396,13 @@ TEST_CASE("every corruption of a checkpoint is a mixprec::Error that changes not
                            mp::Error);
       CHECK(before.unchanged());
     }
+    const auto directory = temp_path("a_directory_to_load");
+    std::filesystem::create_directories(directory);
+    CHECK_THROWS_WITH_AS(target.trainer.load(directory), doctest::Contains("cannot read"),
+                         mp::Error);
+    CHECK_THROWS_WITH_AS(target.trainer.load(temp_path("no_such.ckpt")),
+                         doctest::Contains("cannot read"), mp::Error);
+    CHECK(before.unchanged());
     write_bytes(corrupt, bytes + std::string(8, '\0'));
     CHECK_THROWS_WITH_AS(target.trainer.load(corrupt), doctest::Contains("cannot read"), mp::Error);
     CHECK(before.unchanged());
@@ -648,6 +655,7 @@ TEST_CASE("whatever LibTorch throws for a damaged archive, load throws a mixprec
     const Frozen before(target);
     try {
       target.trainer.load(damaged);  // may load: the damage may be in a weight's bytes
+      target.trainer.load(path);     // back to a state without garbage (NaN is not equal to NaN)
     } catch (const mp::Error&) {
       ++refused;
       if (!before.unchanged()) FAIL("byte ", i, ": a refused load changed state");

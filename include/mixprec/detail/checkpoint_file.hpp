@@ -16,8 +16,11 @@
 #include <cstdint>
 #include <cstring>
 #include <exception>
+#include <filesystem>
 #include <fstream>
+#include <new>
 #include <string>
+#include <system_error>
 
 namespace mixprec::detail {
 
@@ -133,9 +136,22 @@ inline void save_checkpoint(torch::serialize::OutputArchive& archive, const std:
 
 /// The archive bytes of the checkpoint at `path`, verified against its trailer.
 inline std::string read_checkpoint(const std::string& path) {
+  std::error_code error;
+  const auto status = std::filesystem::status(path, error);
+  MIXPREC_CHECK(std::filesystem::exists(status), "cannot read checkpoint '", path, "': ",
+                error ? error.message() : std::string("no such file"));
+  MIXPREC_CHECK(std::filesystem::is_regular_file(status), "cannot read checkpoint '", path,
+                "': not a regular file");
   std::ifstream in(path, std::ios::binary | std::ios::ate);
   MIXPREC_CHECK(in.is_open(), "cannot read checkpoint '", path, "': ", std::strerror(errno));
-  std::string bytes(static_cast<std::size_t>(in.tellg()), '\0');
+  const std::streamoff size = in.tellg();
+  MIXPREC_CHECK(size >= 0, "cannot read checkpoint '", path, "': cannot tell its size");
+  std::string bytes;
+  try {
+    bytes.resize(static_cast<std::size_t>(size));
+  } catch (const std::bad_alloc&) {
+    fail("cannot read checkpoint '", path, "': ", size, " bytes do not fit in memory");
+  }
   in.seekg(0);
   in.read(bytes.data(), static_cast<std::streamsize>(bytes.size()));
   MIXPREC_CHECK(in.good(), "cannot read checkpoint '", path, "': a read error");
