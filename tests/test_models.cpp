@@ -78,15 +78,16 @@ struct Setup {
   std::function<void(int, Model&, torch::optim::Optimizer&)> before_step;
 };
 
-enum class Scenario { tied, frozen, groups, late_group };
+enum class Scenario { tied, frozen, groups, late_group, unfrozen };
 constexpr Scenario kScenarios[] = {Scenario::tied, Scenario::frozen, Scenario::groups,
-                                   Scenario::late_group};
+                                   Scenario::late_group, Scenario::unfrozen};
 const char* name_of(Scenario s) {
   switch (s) {
     case Scenario::tied: return "tied weights";
     case Scenario::frozen: return "frozen layer, optimizer over a subset";
     case Scenario::groups: return "two param groups, different lr and momentum";
     case Scenario::late_group: return "a group added after construction (unfreezing)";
+    case Scenario::unfrozen: return "a frozen layer in the optimizer, unfrozen by requires_grad";
   }
   return "";
 }
@@ -138,6 +139,17 @@ Setup make(Scenario scenario, bool reference) {
         auto params = model.body[0]->parameters();
         params.push_back(model.offset);
         optimizer.add_param_group(torch::optim::OptimizerParamGroup(params, std::make_unique<torch::optim::SGDOptions>(0.25)));
+      };
+      break;
+    }
+    case Scenario::unfrozen: {
+      s.model = std::make_shared<Model>(nn::Sequential(nn::Linear(8, 16), nn::Tanh(), nn::Linear(16, 1)));
+      for (auto& p : s.model->body[0]->parameters()) p.requires_grad_(false);
+      s.optimizer = std::make_unique<torch::optim::SGD>(s.model->parameters(), *sgd(0.5));
+      s.before_step = [](int i, Model& model, torch::optim::Optimizer&) {
+        if (i == 2) {
+          for (auto& p : model.body[0]->parameters()) p.requires_grad_(true);
+        }
       };
       break;
     }
