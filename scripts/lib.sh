@@ -25,6 +25,7 @@ MIXPREC_PACKAGES=(cmake ninja-build g++ ccache libtorch-dev doctest-dev python3-
 # Sets MIXPREC_PRESET_PREFIX ("" or "system-"), MIXPREC_CMAKE_ARGS and MIXPREC_PYTHON (a Python
 # whose torch is the same version, for the parity and interop tests).
 MIXPREC_TORCH_WHEEL=torch==2.13.0
+MIXPREC_VENV_EXTRAS=(numpy)  # torch warns on import without it
 mixprec_select_libtorch() {
   case "${MIXPREC_LIBTORCH:-wheel}" in
     wheel)
@@ -35,7 +36,8 @@ mixprec_select_libtorch() {
       if [ "${installed%+*}" != "${MIXPREC_TORCH_WHEEL#torch==}" ]; then
         echo "mixprec: installing $MIXPREC_TORCH_WHEEL into $venv" >&2
         python3 -m venv "$venv"
-        "$venv/bin/pip" install --quiet --disable-pip-version-check "$MIXPREC_TORCH_WHEEL" >&2
+        "$venv/bin/pip" install --quiet --disable-pip-version-check "$MIXPREC_TORCH_WHEEL" \
+          "${MIXPREC_VENV_EXTRAS[@]}" >&2
       fi
       # The torch package directory, not torch.utils.cmake_prefix_path: as a prefix it also puts
       # torch/lib first for TorchConfig's find_library, so a Debian libtorch.so in /usr/lib

@@ -28,6 +28,7 @@ inline constexpr const char* kCpuDefaultDtype = mixprec::detail::cpu_half_math ?
 struct Config {
   int epochs = 3;
   std::int64_t train_size = 60000;
+  std::int64_t half_train_size = 10000;  // fp16 on the CPU beside bf16 (--dtype both)
   std::int64_t test_size = 10000;
   std::int64_t batch_size = 64;
   double lr = 0.05;
@@ -59,6 +60,9 @@ Each policy runs in a child process, so that each has its own peak RSS.
 options:
   --epochs N         training epochs (default 3)
   --train-size N     training images used, at most 60000 (default 60000)
+  --half-train-size N  with --dtype both on the CPU, the fp16 policies and their FullPrecision
+                     reference train on the first N images (default 10000): fp16 is several
+                     times slower than bf16 on a CPU without native fp16
   --test-size N      test images used, at most 10000 (default 10000)
   --batch-size N     mini-batch size (default 64)
   --lr X             peak SGD learning rate, cosine decay to 0, momentum 0.9 (default 0.05)
@@ -157,6 +161,8 @@ inline Config parse_args(const std::vector<std::string>& args) {
       epochs = detail::parse_integer<int>(arg, value(), 1);
     } else if (arg == "--train-size") {
       train_size = detail::parse_integer<std::int64_t>(arg, value(), 1);
+    } else if (arg == "--half-train-size") {
+      config.half_train_size = detail::parse_integer<std::int64_t>(arg, value(), 1);
     } else if (arg == "--test-size") {
       test_size = detail::parse_integer<std::int64_t>(arg, value(), 1);
     } else if (arg == "--batch-size") {
