@@ -35,6 +35,29 @@ TEST_CASE_TEMPLATE("real fp16 underflow on the CPU: lost unscaled, rescued by th
   test::rescues_real_underflow<P>(torch::kCPU);
 }
 
+TEST_CASE("PureHalf<Half> refuses an optimizer eps that is 0 in fp16, before anything changes") {
+  // Adam's default 1e-8 rounds to 0 in fp16: reproduce the corruption it causes by hand first.
+  CHECK(static_cast<float>(c10::Half(1e-8F)) == 0.0F);
+  for (const double eps : {1e-8, 1e-10}) {
+    CAPTURE(eps);
+    auto model = test::half_mlp(torch::kCPU);
+    torch::optim::Adam adam(model->parameters(), torch::optim::AdamOptions(1e-2).eps(eps));
+    const auto before = test::snapshot(model->parameters());
+    CHECK_THROWS_WITH_AS(mp::Trainer<mp::PureHalf<at::Half>>(model, adam),
+                         doctest::Contains("is 0 in fp16"), mp::Error);
+    CHECK(test::identical(test::snapshot(model->parameters()), before));
+  }
+  auto model = test::half_mlp(torch::kCPU);
+  torch::optim::RMSprop rmsprop(model->parameters(), torch::optim::RMSpropOptions(1e-3));
+  CHECK_THROWS_AS(mp::Trainer<mp::PureHalf<at::Half>>(model, rmsprop), mp::Error);
+  // An eps fp16 holds is accepted, and so is the default under fp32 masters or bf16.
+  torch::optim::Adam ok(model->parameters(), torch::optim::AdamOptions(1e-2).eps(1e-4));
+  CHECK_NOTHROW(mp::Trainer<mp::PureHalf<at::Half>>(model, ok));
+  auto other = test::half_mlp(torch::kCPU);
+  torch::optim::Adam masters(other->parameters(), torch::optim::AdamOptions(1e-2));
+  CHECK_NOTHROW(mp::Trainer<mp::MixedO2<at::Half>>(other, masters));
+}
+
 TEST_CASE("the scale grows after growth_interval clean fp16 steps on the CPU") {
   test::grows_after_clean_steps<mp::MixedO1<at::Half>>(torch::kCPU);
 }
