@@ -226,10 +226,10 @@ class HandLoop : public Loop {
       optimizer_.zero_grad();
       at::Tensor loss;
       if (autocast_) {
-        at::autocast::set_autocast_cpu_dtype(at::kBFloat16);
-        at::autocast::set_cpu_enabled(true);
+        // LibTorch's raw switches (through the wrapper that hides their 2.4 renaming).
+        mixprec::detail::set_autocast_state(at::kCPU, {true, at::kBFloat16});
         loss = net_.loss(cursor_++);
-        at::autocast::set_cpu_enabled(false);
+        mixprec::detail::set_autocast_state(at::kCPU, {false, at::kBFloat16});
         at::autocast::clear_cache();
       } else {
         loss = net_.loss(cursor_++);

@@ -6,6 +6,7 @@
 #include <mixprec/error.hpp>
 
 #include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
 #include <torch/optim/optimizer.h>
 
 #include <cstddef>

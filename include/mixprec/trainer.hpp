@@ -25,6 +25,7 @@
 #include <mixprec/scaler.hpp>
 
 #include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
 #include <ATen/CPUGeneratorImpl.h>
 #include <torch/arg.h>
 #include <torch/nn/module.h>
