@@ -2,7 +2,10 @@
 #       -DTorch_DIR=... -P run.cmake
 # Configures, builds and runs tests/consumer against mixprec found by MODE.
 file(REMOVE_RECURSE ${WORK_DIR})
-set(_prefix_path ${Torch_DIR})
+# The LibTorch root, not only Torch_DIR: TorchConfig's find_library searches the prefixes' lib/
+# before the system's, so a Debian libtorch.so cannot slip in beside the wheel's headers.
+get_filename_component(_torch_root "${Torch_DIR}/../../.." ABSOLUTE)
+set(_prefix_path ${_torch_root})
 if(MODE STREQUAL "find_package")
   execute_process(COMMAND ${CMAKE_COMMAND} --install ${MAIN_BINARY_DIR} --prefix ${WORK_DIR}/prefix
                   RESULT_VARIABLE _rc)
