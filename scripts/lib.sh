@@ -13,6 +13,10 @@ mixprec_ensure_packages() {
   DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y "${missing[@]}" >&2
 }
 
+# ccache keys on paths relative to the checkout, so that another clone reuses its objects.
+export CCACHE_BASEDIR="${CCACHE_BASEDIR:-$PWD}"
+export CCACHE_SLOPPINESS="${CCACHE_SLOPPINESS:-pch_defines,time_macros,include_file_mtime,include_file_ctime}"
+
 # Everything the build, the tests, the examples and the demo use. Debian's libtorch-dev and
 # python3-torch are the `system` LibTorch and its Python; the wheel needs python3-venv.
 MIXPREC_PACKAGES=(cmake ninja-build g++ ccache libtorch-dev doctest-dev python3-torch python3-venv

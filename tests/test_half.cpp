@@ -53,6 +53,21 @@ TEST_CASE("PureHalf<Half> refuses an optimizer eps that is 0 in fp16, before any
   // An eps fp16 holds is accepted, and so is the default under fp32 masters or bf16.
   torch::optim::Adam ok(model->parameters(), torch::optim::AdamOptions(1e-2).eps(1e-4));
   CHECK_NOTHROW(mp::Trainer<mp::PureHalf<at::Half>>(model, ok));
+  // A late param group is checked too, at the step that adopts it.
+  {
+    auto late = torch::nn::Linear(4, 2);
+    torch::optim::Adam adam(std::vector<at::Tensor>{late->weight},
+                            torch::optim::AdamOptions(1e-2).eps(1e-4));
+    mp::Trainer<mp::PureHalf<at::Half>> trainer(late, adam);
+    // Not eps 1e-8: LibTorch 2.x replaces a late group's options that equal AdamOptions'
+    // defaults by the optimizer's own.
+    adam.add_param_group(torch::optim::OptimizerParamGroup(
+        {late->bias}, std::make_unique<torch::optim::AdamOptions>(
+                          torch::optim::AdamOptions(1e-2).eps(1e-10))));
+    const auto x = torch::ones({1, 4}, torch::kHalf);
+    CHECK_THROWS_WITH_AS(trainer.step([&] { return late->forward(x).sum(); }),
+                         doctest::Contains("is 0 in fp16"), mp::Error);
+  }
   auto other = test::half_mlp(torch::kCPU);
   torch::optim::Adam masters(other->parameters(), torch::optim::AdamOptions(1e-2));
   CHECK_NOTHROW(mp::Trainer<mp::MixedO2<at::Half>>(other, masters));

@@ -459,6 +459,7 @@ class Trainer {
     MIXPREC_CHECK(pending_ == 0, "the optimizer's param groups changed in the middle of an "
                   "accumulation (", pending_, " of ", options_.accumulation_steps(),
                   " micro-batches): add param groups between optimizer steps");
+    detail::check_optimizer_constants<P>(*optimizer_);  // a late group's eps, too
     const auto params = detail::unique_tensors(model_->parameters());
     if (masters_) {
       masters_->check_bindable(params, *optimizer_);
