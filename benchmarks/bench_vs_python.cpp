@@ -48,7 +48,6 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <filesystem>
 #include <fstream>
 #include <functional>
 #include <iostream>
@@ -184,8 +183,8 @@ class PythonChild {
   [[noreturn]] void fail_exited() const {
     std::string message = "the Python side (";
     message.append(description_)
-        .append(") exited; it needs Debian's python3-torch (set MIXPREC_PYTHON to another "
-                "interpreter with torch 1.13); its error is above");
+        .append(") exited; it needs a Python whose torch is the LibTorch this was built against "
+                "(the scripts set MIXPREC_PYTHON to it); its error is above");
     throw std::runtime_error(message);
   }
 
@@ -1126,9 +1125,8 @@ int memory_child_main(int argc, char** argv) {
   return 2;
 }
 
-std::string python_script() {
-  return (std::filesystem::path(__FILE__).parent_path() / "python" / "train_loop.py").string();
-}
+// From CMake, not __FILE__: under ccache's base_dir, __FILE__ is relative to the build directory.
+std::string python_script() { return MIXPREC_TRAIN_LOOP_SCRIPT; }
 
 }  // namespace
 
