@@ -70,6 +70,12 @@ struct UnscaleOptions {
   TORCH_ARG(at::Tensor, also_check) = {};
 };
 
+/// What ScalerCore::step_fused did.
+struct FusedStepResult {
+  bool stepped = false;                ///< false: inf/NaN, the optimizer step was skipped
+  std::optional<double> grad_norm;     ///< the total unscaled gradient norm, when clipping
+};
+
 namespace detail {
 
 enum class Stage { ready, unscaled, stepped };
@@ -164,7 +170,7 @@ class ScalerCore {
     MIXPREC_CHECK(at::isFloatingType(loss.scalar_type()),
                   "scale() needs a floating-point loss, got ", loss.scalar_type());
     if (!scaling_) return loss;
-    if (!scale_.defined()) scale_ = at::full({}, init_scale_, loss.options().dtype(at::kFloat));
+    if (!scale_.defined()) scale_ = at::full({}, host_scale_, loss.options().dtype(at::kFloat));
     return loss * scale_.to(loss.device());
   }
 
@@ -178,31 +184,20 @@ class ScalerCore {
                   "unscale_() has already been called on this optimizer since the last update()");
     MIXPREC_CHECK(entry.stage != Stage::stepped, "unscale_() is being called after step(): call it "
                   "between backward() and step(), and update() once per iteration");
-    MIXPREC_CHECK(!scaling_ || scale_.defined(),
-                  "unscale_() before scale(loss): the gradients were never scaled; call "
-                  "scaler.scale(loss).backward() first");
-    if (options.max_grad_norm()) {
-      MIXPREC_CHECK(*options.max_grad_norm() > 0 && std::isfinite(*options.max_grad_norm()),
-                    "max_grad_norm must be finite and > 0, got ", *options.max_grad_norm());
-    }
+    check_unscale_call(options);
     auto pairs = collect_grads(optimizer, options.grads_from());
     std::optional<double> norm;
     if (!pairs.empty()) {
-      const at::Tensor& device_scale = scaling_ ? scale_ : at::Tensor();
-      at::Tensor found_inf = at::zeros({}, at::TensorOptions(at::kFloat).device(
-                                               scaling_ ? scale_.device() : pairs.front().from.device()));
+      auto found_inf = new_found_inf(pairs);
       try {
-        norm = run_passes(pairs, options, device_scale, found_inf);
+        norm = run_passes(pairs, options, found_inf, entry.found_host);
       } catch (...) {
         // Some gradients may be unscaled already: poison the step rather than risk a retry
         // unscaling them twice.
         entry.found_inf = found_inf.fill_(1.0);
+        entry.found_host = true;
         entry.stage = Stage::unscaled;
         throw;
-      }
-      if (options.also_check().defined()) {
-        found_inf.add_(at::isfinite(options.also_check()).logical_not().any().to(found_inf.options()))
-            .clamp_max_(1.0);
       }
       entry.found_inf = found_inf;
     }
@@ -211,7 +206,8 @@ class ScalerCore {
   }
 
   /// Unscales if not done yet, then steps the optimizer unless its gradients hold inf or NaN.
-  /// Returns whether it stepped. The one host synchronisation of the iteration happens here.
+  /// Returns whether it stepped. On a device this is the iteration's one host synchronisation
+  /// (with clipping, the norm's read has taken its place).
   bool step(torch::optim::Optimizer& optimizer) {
     auto& entry = entries_[&optimizer];
     MIXPREC_CHECK(entry.stage != Stage::stepped,
@@ -222,7 +218,7 @@ class ScalerCore {
       detail::fail("step() found no gradients in this optimizer: call backward() on "
                    "scaler.scale(loss) before step()");
     }
-    const bool finite = entry.found_inf.item<float>() == 0.0F;
+    const bool finite = !found_of(entry);
     if (finite) {
       optimizer.step();
     } else {
@@ -232,11 +228,74 @@ class ScalerCore {
     return finite;
   }
 
-  /// The current scale (1 for NoScaler); reads a device value back.
-  double get_scale() const {
-    if (!scaling_) return 1.0;
-    return static_cast<double>(scale_.defined() ? scale_.item<float>() : init_scale_);
+  /// unscale_ and step in one, for an optimizer whose own step divides the gradients, such as
+  /// mixprec::fused_adam_step: the gradients are checked for inf/NaN (under master weights,
+  /// copied from grads_from first) but not divided; unless they hold inf/NaN,
+  /// `fused_step(grad_scale)` steps the optimizer, grad_scale being the one fp32 divisor it must
+  /// apply: the scale, divided by the clip coefficient when clipping; undefined when that is 1.
+  /// update() follows as usual. One host synchronisation, on the inf flag.
+  template <class FusedStep>
+  FusedStepResult step_fused(torch::optim::Optimizer& optimizer, const UnscaleOptions& options,
+                             FusedStep&& fused_step) {
+    auto& entry = entries_[&optimizer];
+    MIXPREC_CHECK(entry.stage == Stage::ready, "step_fused() unscales inside the optimizer's "
+                  "step: call it instead of unscale_() and step(), once per iteration");
+    check_unscale_call(options);
+    auto pairs = collect_grads(optimizer, options.grads_from());
+    MIXPREC_CHECK(!pairs.empty(), "step_fused() found no gradients in this optimizer: call "
+                  "backward() on scaler.scale(loss) first");
+    auto found_inf = new_found_inf(pairs);
+    FusedStepResult result;
+    at::Tensor grad_scale;
+    const bool masters = !options.grads_from().empty();
+    try {
+      if (masters) {
+        // The model's gradients into the optimizer's, checked, undivided (fp16/bf16 values are
+        // finite in fp32: the check is exact).
+        detail::unscale_pairs_(pairs, 1.0F, found_inf);
+        for (auto& pair : pairs) pair.from = pair.to;
+      }
+      const double scale = scaling_ ? static_cast<double>(host_scale_) : 1.0;
+      double clip = 1.0;
+      if (options.max_grad_norm() || !masters) {
+        // One read pass: finiteness (the loss's included), and the norm when clipping.
+        const auto stats = detail::grad_stats(pairs, options.also_check());
+        entry.found_host = stats.non_finite;
+        if (stats.non_finite) found_inf.fill_(1.0);
+        if (options.max_grad_norm()) {
+          result.grad_norm = stats.non_finite ? std::numeric_limits<double>::infinity()
+                                              : std::sqrt(stats.sum_of_squares) * inv_scale();
+          if (!stats.non_finite) clip = clip_coefficient(*result.grad_norm, options);
+        }
+      } else {
+        check_also(options, found_inf);
+      }
+      if (clip < 1.0) {
+        grad_scale = at::full({}, static_cast<float>(scale / clip),
+                              at::TensorOptions(at::kFloat).device(pairs.front().to.device()));
+      } else if (scaling_) {
+        grad_scale = scale_;
+      }
+    } catch (...) {
+      entry.found_inf = found_inf.fill_(1.0);  // nothing was divided; the step must not run
+      entry.found_host = true;
+      entry.stage = Stage::stepped;
+      throw;
+    }
+    entry.found_inf = found_inf;
+    entry.stage = Stage::stepped;
+    result.stepped = !found_of(entry);
+    if (result.stepped) {
+      std::forward<FusedStep>(fused_step)(grad_scale);
+    } else {
+      ++skipped_steps_;
+    }
+    return result;
   }
+
+  /// The current scale (1 for NoScaler). The scale is kept on the host and copied to the
+  /// loss's device, so reading it never waits for the device.
+  double get_scale() const { return scaling_ ? static_cast<double>(host_scale_) : 1.0; }
 
   /// Optimizer steps skipped because of inf or NaN, since construction.
   std::int64_t skipped_steps() const noexcept { return skipped_steps_; }
@@ -253,28 +312,31 @@ class ScalerCore {
 
  protected:
   ScalerCore(float init_scale, bool scaling, bool allow_fp16)
-      : init_scale_(init_scale), scaling_(scaling), allow_fp16_(allow_fp16) {}
+      : host_scale_(init_scale), scaling_(scaling), allow_fp16_(allow_fp16) {}
 
   void set_scale(float scale) {
-    if (scale_.defined()) scale_.fill_(scale);
-    init_scale_ = scale;
+    if (scale_.defined()) scale_.fill_(scale);  // a host value: no synchronisation
+    host_scale_ = scale;
   }
 
-  /// The inf flags of this iteration summed over optimizers; then the stages start over.
-  at::Tensor take_found_inf(std::string_view caller) {
-    at::Tensor sum;
-    for (const auto& [optimizer, entry] : entries_) {
+  /// Whether any optimizer of this iteration had inf/NaN gradients; then the stages start
+  /// over. step() has read each flag already; only an unscale_ without step() reads it here.
+  bool take_found_inf(std::string_view caller) {
+    bool any = false;
+    bool recorded = false;
+    for (auto& [optimizer, entry] : entries_) {
       if (!entry.found_inf.defined()) continue;
-      sum = sum.defined() ? sum + entry.found_inf.to(sum.device()) : entry.found_inf;
+      recorded = true;
+      any |= found_of(entry);
     }
-    MIXPREC_CHECK(sum.defined(), caller, " found no inf checks recorded in this iteration: call "
+    MIXPREC_CHECK(recorded, caller, " found no inf checks recorded in this iteration: call "
                   "step(optimizer) (or unscale_) after scale(loss).backward(), then update()");
     entries_.clear();
-    return sum;
+    return any;
   }
 
-  at::Tensor scale_;  // 0-dim fp32, created by the first scale() on the loss's device
-  float init_scale_;  // the scale until scale_ exists
+  at::Tensor scale_;  // 0-dim fp32 copy of host_scale_, made by the first scale() on the loss's device
+  float host_scale_;  // the scale
   bool scaling_;
   bool allow_fp16_;
   std::int64_t skipped_steps_ = 0;
@@ -282,8 +344,27 @@ class ScalerCore {
  private:
   struct Entry {
     Stage stage = Stage::ready;
-    at::Tensor found_inf;  // undefined: no gradient seen
+    at::Tensor found_inf;            // undefined: no gradient seen
+    std::optional<bool> found_host;  // found_inf on the host, once known
   };
+
+  void check_unscale_call(const UnscaleOptions& options) const {
+    MIXPREC_CHECK(!scaling_ || scale_.defined(),
+                  "unscale_() before scale(loss): the gradients were never scaled; call "
+                  "scaler.scale(loss).backward() first");
+    if (options.max_grad_norm()) {
+      MIXPREC_CHECK(*options.max_grad_norm() > 0 && std::isfinite(*options.max_grad_norm()),
+                    "max_grad_norm must be finite and > 0, got ", *options.max_grad_norm());
+    }
+  }
+
+  // Ors the inf/NaN of UnscaleOptions::also_check (e.g. the loss) into found_inf, on the device.
+  static void check_also(const UnscaleOptions& options, at::Tensor& found_inf) {
+    if (!options.also_check().defined()) return;
+    found_inf.add_(at::isfinite(options.also_check()).logical_not().any().to(found_inf.options()))
+        .clamp_max_(1.0);
+  }
+
 
   // Validates every gradient before touching any, so an Error leaves all state unchanged. Each
   // tensor once: an optimizer built on model->parameters() lists tied weights once per name,
@@ -363,40 +444,58 @@ class ScalerCore {
     return pairs;
   }
 
-  // The gradient passes: (norm and finiteness) when clipping, then one scale pass.
+  // The gradient passes: (norm and finiteness) when clipping, then one scale pass. Sets `known`
+  // where found_inf is known on the host without reading it back.
   std::optional<double> run_passes(std::vector<GradPair>& pairs, const UnscaleOptions& options,
-                                   const at::Tensor& device_scale, at::Tensor& found_inf) {
-    // inv_scale = float(1 / double(scale)), as PyTorch computes it.
-    const bool host_scale = !device_scale.defined() || device_scale.device().is_cpu();
-    const double inv_host =
-        device_scale.defined() && host_scale
-            ? static_cast<double>(static_cast<float>(1.0 / static_cast<double>(device_scale.item<float>())))
-            : 1.0;
+                                   at::Tensor& found_inf, std::optional<bool>& known) {
     if (!options.max_grad_norm()) {
-      const bool in_place_identity = !device_scale.defined() &&
+      const bool in_place_identity = !scaling_ &&
           std::all_of(pairs.begin(), pairs.end(), [](const GradPair& p) { return p.from.is_same(p.to); });
       if (in_place_identity) {  // NoScaler without clipping: a read-only check suffices
-        if (detail::grad_stats(pairs).non_finite) found_inf.fill_(1.0);
+        known = detail::grad_stats(pairs, options.also_check()).non_finite;
+        if (*known) found_inf.fill_(1.0);
         return std::nullopt;
       }
-      const auto inv = host_scale ? at::full({}, inv_host, at::kFloat)
-                                  : device_scale.to(at::kDouble).reciprocal().to(at::kFloat);
-      detail::unscale_pairs_(pairs, inv, found_inf);
+      detail::unscale_pairs_(pairs, static_cast<float>(inv_scale()), found_inf);
+      check_also(options, found_inf);
       return std::nullopt;
     }
     // Fused clipping: the norm of the scaled gradients and their finiteness in one read pass,
     // then one write pass with (1/scale) * clip coefficient, as PyTorch's clip_grad_norm_ does.
-    const auto stats = detail::grad_stats(pairs);
-    const double inv = host_scale ? inv_host : 1.0 / static_cast<double>(device_scale.item<float>());
+    const auto stats = detail::grad_stats(pairs, options.also_check());
+    const double inv = inv_scale();
     const double norm = std::sqrt(stats.sum_of_squares) * inv;
     if (stats.non_finite) {
       found_inf.fill_(1.0);  // the step will be skipped: the gradients are left as they are
+      known = true;
       return std::numeric_limits<double>::infinity();
     }
-    const double clip = std::min(1.0, *options.max_grad_norm() / (norm + 1e-6));
-    const auto factor = at::full({}, static_cast<float>(inv * clip), at::kFloat);
+    const auto factor = static_cast<float>(inv * clip_coefficient(norm, options));
     detail::unscale_pairs_(pairs, factor, found_inf);
+    // Finite values times a factor <= 1 stay finite: the read pass has decided found_inf.
+    if (factor <= 1.0F) known = false;
     return norm;
+  }
+
+  // inv_scale = float(1 / double(scale)), as PyTorch computes it.
+  double inv_scale() const {
+    return scaling_ ? static_cast<double>(static_cast<float>(1.0 / static_cast<double>(host_scale_)))
+                    : 1.0;
+  }
+
+  static double clip_coefficient(double norm, const UnscaleOptions& options) {
+    return std::min(1.0, *options.max_grad_norm() / (norm + 1e-6));
+  }
+
+  at::Tensor new_found_inf(const std::vector<GradPair>& pairs) const {
+    return at::zeros({}, at::TensorOptions(at::kFloat).device(scaling_ ? scale_.device()
+                                                                       : pairs.front().to.device()));
+  }
+
+  // The entry's inf flag on the host, read back (a synchronisation on a device) only if unknown.
+  static bool found_of(Entry& entry) {
+    if (!entry.found_host) entry.found_host = entry.found_inf.item<float>() != 0.0F;
+    return *entry.found_host;
   }
 
   std::unordered_map<const torch::optim::Optimizer*, Entry> entries_;
@@ -428,30 +527,22 @@ class GradScaler : public detail::ScalerCore {
       : ScalerCore(static_cast<float>(options.init_scale()), options.enabled(),
                    options.allow_fp16_grads()),
         options_(std::move(options)),
-        growth_tracker_init_(0),
+        growth_tracker_(0),
         hysteresis_tracker_(options_.hysteresis()) {
     detail::check_options(options_);
   }
 
   /// Advances the scale from this iteration's inf checks (summed over optimizers).
+  /// On the host, from the inf flag that step() read: PyTorch's _amp_update_scale_ (bit for
+  /// bit, tests/test_amp_kernels.cpp) without a device round trip of its own.
   void update() {
-    auto found_inf = take_found_inf("update()");
+    const bool found_inf = take_found_inf("update()");
     if (!options_.enabled()) return;
-    if (!growth_tracker_.defined()) {
-      growth_tracker_ = at::full({}, growth_tracker_init_, scale_.options().dtype(at::kInt));
-    }
-    const bool defaults = options_.hysteresis() == 1 && options_.min_scale() == 0.0 &&
-                          std::isinf(options_.max_scale());
-    if (!scale_.device().is_cpu() && defaults) {
-      update_on_device(found_inf);
-      return;
-    }
-    // CPU (no kernel in LibTorch < 2.3), or options the kernel lacks: the host algorithm.
-    detail::ScaleState state{scale_.item<float>(), growth_tracker_.item<std::int32_t>(),
+    detail::ScaleState state{host_scale_, static_cast<std::int32_t>(growth_tracker_),
                              hysteresis_tracker_};
-    state = detail::next_scale(state, found_inf.item<float>() != 0.0F, options_);
-    scale_.fill_(state.scale);
-    growth_tracker_.fill_(state.growth_tracker);
+    state = detail::next_scale(state, found_inf, options_);
+    set_scale(state.scale);
+    growth_tracker_ = state.growth_tracker;
     hysteresis_tracker_ = state.hysteresis_tracker;
   }
 
@@ -469,9 +560,7 @@ class GradScaler : public detail::ScalerCore {
   const GradScalerOptions& options() const noexcept { return options_; }
 
   /// Steps since the last growth or overflow (PyTorch's _growth_tracker).
-  std::int64_t growth_tracker() const {
-    return growth_tracker_.defined() ? growth_tracker_.item<std::int32_t>() : growth_tracker_init_;
-  }
+  std::int64_t growth_tracker() const noexcept { return growth_tracker_; }
 
   /// Overflows still tolerated before the next backoff; 0 or less backs off at the next one.
   std::int64_t hysteresis_tracker() const noexcept { return hysteresis_tracker_; }
@@ -522,28 +611,13 @@ class GradScaler : public detail::ScalerCore {
                   options.hysteresis());
     options_ = options;
     set_scale(scale);
-    growth_tracker_init_ = tracker;
+    growth_tracker_ = tracker;
     hysteresis_tracker_ = hysteresis_tracker;
-    if (growth_tracker_.defined()) growth_tracker_.fill_(tracker);
   }
 
  private:
-  // The fused kernel; LibTorch < 2.1 lacks its guard against growing to inf, restored here.
-  void update_on_device(const at::Tensor& found_inf) {
-#if TORCH_VERSION_MAJOR < 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR < 1)
-    const auto previous = scale_.clone();
-#endif
-    at::_amp_update_scale_(scale_, growth_tracker_, found_inf.to(scale_.device()),
-                           options_.growth_factor(), options_.backoff_factor(),
-                           options_.growth_interval());
-#if TORCH_VERSION_MAJOR < 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR < 1)
-    scale_.copy_(at::where(at::isfinite(scale_), scale_, previous));
-#endif
-  }
-
   GradScalerOptions options_;
-  at::Tensor growth_tracker_;  // 0-dim int32 beside scale_ from the first update(), as the kernel wants
-  std::int64_t growth_tracker_init_;
+  std::int64_t growth_tracker_;
   std::int64_t hysteresis_tracker_;
 };
 

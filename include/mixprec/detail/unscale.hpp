@@ -11,6 +11,7 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
+#include <algorithm>
 #include <atomic>
 #include <bit>
 #include <cmath>
@@ -254,50 +255,74 @@ inline at::Tensor grad_values(const at::Tensor& grad) {
   return grad.is_sparse() ? grad._values() : grad;
 }
 
-/// Unscales all pairs: to = from * inv_scale; found_inf (a float tensor on inv_scale's device)
-/// becomes 1 where any result is non-finite. One pass over the data per pair.
-inline void unscale_pairs_(const std::vector<GradPair>& pairs, const at::Tensor& inv_scale,
+/// ATen's own fused check-and-unscale where it has a kernel for `device`: CUDA in every
+/// supported LibTorch, the CPU from 2.3 on. On the CPU mixprec's pass is used all the same: it
+/// is as fast or faster (docs/benchmarks.md, "ATen's AMP kernel vs mixprec's pass") and checks
+/// what it writes.
+inline bool use_aten_unscale(const at::Device& device) { return !device.is_cpu(); }
+
+/// ATen's kernel over `grads` (one device and dtype), ORed into found_inf. The kernel checks its
+/// inputs, which decides found_inf exactly when |factor| <= 1: a finite value times such a
+/// factor stays finite in any dtype. Otherwise (a scale below 1) a second check reads the outputs.
+inline void aten_unscale_(const std::vector<at::Tensor>& grads, float factor,
+                          const at::Tensor& found_inf) {
+  const auto device = grads.front().device();
+  const auto options = at::TensorOptions(at::kFloat).device(device);
+  // at::full on the device is a fill kernel, not a copy from the host: no synchronisation.
+  auto found_here = at::zeros({}, options);
+  at::_amp_foreach_non_finite_check_and_unscale_(grads, found_here, at::full({}, factor, options));
+  if (!(std::abs(factor) <= 1.0F)) {
+    at::_amp_foreach_non_finite_check_and_unscale_(grads, found_here, at::ones({}, options));
+  }
+  found_inf.add_(found_here.to(found_inf.device())).clamp_max_(1.0);
+}
+
+/// Unscales all pairs: to = from * factor; found_inf (a 0-dim float tensor) becomes 1 where any
+/// result is non-finite. One pass over the data per pair; no host synchronisation.
+inline void unscale_pairs_(const std::vector<GradPair>& pairs, float factor,
                            const at::Tensor& found_inf) {
-  std::vector<at::Tensor> device_grads;
+  std::vector<at::Tensor> kernel_grads;
   bool cpu_found = false;
-  float cpu_inv = 1.0F;
-  bool cpu_inv_known = false;
   for (const auto& pair : pairs) {
     const auto from = grad_values(pair.from);
     const auto to = grad_values(pair.to);
-    if (from.device().is_cpu()) {
-      if (!cpu_inv_known) {
-        cpu_inv = inv_scale.to(at::kCPU).item<float>();
-        cpu_inv_known = true;
-      }
-      cpu_found |= scale_and_check_cpu(from, to, cpu_inv);
+    if (!use_aten_unscale(from.device())) {
+      cpu_found |= scale_and_check_cpu(from, to, factor);
     } else {
       if (!from.is_same(to)) to.copy_(from);
-      device_grads.push_back(to);
+      kernel_grads.push_back(to);
     }
   }
   if (cpu_found) found_inf.fill_(1.0);
-  if (device_grads.empty()) return;
-  // Per device and dtype, as the fused kernel wants one device; it ORs into found_inf.
-  while (!device_grads.empty()) {
-    const auto device = device_grads.front().device();
-    const auto dtype = device_grads.front().scalar_type();
+  // Per device and dtype, as the fused kernel wants.
+  while (!kernel_grads.empty()) {
+    const auto device = kernel_grads.front().device();
+    const auto dtype = kernel_grads.front().scalar_type();
     std::vector<at::Tensor> group;
     std::vector<at::Tensor> rest;
-    for (auto& g : device_grads) {
+    for (auto& g : kernel_grads) {
       (g.device() == device && g.scalar_type() == dtype ? group : rest).push_back(g);
     }
-    auto found_here = at::zeros({1}, found_inf.options().device(device)).squeeze();
-    at::_amp_foreach_non_finite_check_and_unscale_(group, found_here, inv_scale.to(device));
-    found_inf.add_(found_here.to(found_inf.device())).clamp_max_(1.0);
-    device_grads = std::move(rest);
+    aten_unscale_(group, factor, found_inf);
+    kernel_grads = std::move(rest);
   }
 }
 
-/// Sum of squares of all `from` gradients and whether any is non-finite (syncs on a device).
-inline GradStats grad_stats(const std::vector<GradPair>& pairs) {
+/// Sum of squares of all `from` gradients, and whether any of them or of `also` (e.g. the loss;
+/// it adds nothing to the sum) is non-finite. CPU gradients are read in mixprec's pass; on a
+/// device each tensor's sum stays there, and the total is read back once.
+inline GradStats grad_stats(const std::vector<GradPair>& pairs, const at::Tensor& also = {}) {
   GradStats total;
-  std::vector<at::Tensor> device_sums;
+  std::vector<at::Tensor> device_sums;  // one running sum per device
+  const auto add_on_device = [&](const at::Tensor& sum) {
+    auto it = std::find_if(device_sums.begin(), device_sums.end(),
+                           [&](const at::Tensor& s) { return s.device() == sum.device(); });
+    if (it == device_sums.end()) {
+      device_sums.push_back(sum);
+    } else {
+      it->add_(sum);
+    }
+  };
   for (const auto& pair : pairs) {
     const auto from = grad_values(pair.from);
     if (from.device().is_cpu()) {
@@ -305,10 +330,19 @@ inline GradStats grad_stats(const std::vector<GradPair>& pairs) {
       total.sum_of_squares += s.sum_of_squares;
       total.non_finite |= s.non_finite;
     } else {
-      device_sums.push_back(from.to(at::kDouble).square().sum().to(at::kCPU));
+      add_on_device(from.to(at::kDouble).square().sum());
     }
   }
-  for (const auto& s : device_sums) total.sum_of_squares += s.item<double>();
+  if (also.defined()) {
+    if (also.device().is_cpu()) {
+      total.non_finite |= !at::isfinite(also).all().item<bool>();
+    } else {
+      // 0 for finite values, NaN otherwise: the flag travels in the sum's one read.
+      add_on_device(at::where(at::isfinite(also).all(), 0.0, std::numeric_limits<double>::quiet_NaN())
+                        .to(at::kDouble));
+    }
+  }
+  for (const auto& s : device_sums) total.sum_of_squares += s.item<double>();  // one sync each
   total.non_finite |= !(total.sum_of_squares <= std::numeric_limits<double>::max());
   return total;
 }
