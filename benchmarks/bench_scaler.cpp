@@ -12,6 +12,7 @@
 
 #include <harness.hpp>
 
+#include <mixprec/detail/torch_version.hpp>
 #include <mixprec/scaler.hpp>
 
 #include <ATen/ATen.h>
@@ -194,6 +195,56 @@ void scaling_table(const std::vector<std::int64_t>& totals, std::int64_t per_ten
               options.smoke ? "" : " Below 64M, more repetitions (up to 101).");
 }
 
+/// ATen's CPU kernel (LibTorch >= 2.3) against mixprec's pass, at 1 and 2 intra-op threads;
+/// and what keeping mixprec's check of the outputs would cost on ATen's path: a second,
+/// checking pass, needed only while the scale is below 1.
+void aten_table(at::ScalarType dtype, std::int64_t count, std::int64_t per_tensor,
+                const bench::Options& options) {
+#if MIXPREC_TORCH_AT_LEAST(2, 3)
+  const int threads_before = at::get_num_threads();
+  for (const int threads : {1, 2}) {
+    at::set_num_threads(threads);
+    auto g = make_grads(count, per_tensor, dtype);
+    Alternating fa;
+    Alternating fb;
+    ScalerRun scaler_run(g.params);
+    auto found = at::zeros({}, at::kFloat);
+    bench::Variant aten{"ATen: _amp_foreach_non_finite_check_and_unscale_", [&] {
+                          at::_amp_foreach_non_finite_check_and_unscale_(
+                              g.grads, found, at::full({}, fa.next(), at::kFloat));
+                        }};
+    bench::Variant mixprec{"mixprec: GradScaler::unscale_", [&scaler_run] { scaler_run(); }};
+    bench::Variant checked{"ATen + a check of its outputs (the scale < 1 case)", [&] {
+                             at::_amp_foreach_non_finite_check_and_unscale_(
+                                 g.grads, found, at::full({}, fb.next(), at::kFloat));
+                             at::_amp_foreach_non_finite_check_and_unscale_(g.grads, found, at::ones({}));
+                           }};
+    std::vector<bench::Variant> variants{aten, mixprec, checked};
+    for (const auto& v : variants) check_variant(v, g.grads);
+    const auto m = bench::interleaved_medians(variants, options);
+    if (found.item<float>() != 0.0F) std::abort();  // the data is finite
+    bench::print_table("ATen's AMP kernel vs mixprec's pass, " + dtype_name(dtype) + " grads: " +
+                           elements_name(count * per_tensor) + " elements, intra-op threads " +
+                           std::to_string(threads),
+                       variants, m);
+    std::printf("
+mixprec / ATen = %.2fx; ATen with the output check / ATen = %.2fx.
+",
+                m[1] / m[0], m[2] / m[0]);
+  }
+  at::set_num_threads(threads_before);
+#else
+  (void)dtype, (void)count, (void)per_tensor, (void)options;
+  std::printf("
+### ATen's AMP kernel vs mixprec's pass
+
+LibTorch %s has no CPU kernel for "
+              "`_amp_foreach_non_finite_check_and_unscale_` (it came in 2.3): mixprec's pass is "
+              "the CPU path.
+", TORCH_VERSION);
+#endif
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -207,6 +258,8 @@ int main(int argc, char** argv) {
               options.repetitions, options.warmup);
   const bool foreach_faster = main_table(at::kFloat, count, per_tensor, options);
   (void)main_table(at::kBFloat16, count, per_tensor, options);
+  aten_table(at::kFloat, count, per_tensor, options);
+  aten_table(at::kBFloat16, count, per_tensor, options);
 
   const std::vector<std::int64_t> totals =
       options.smoke ? std::vector<std::int64_t>{kMi / 4, kMi}

@@ -669,3 +669,102 @@ TEST_CASE("whatever LibTorch throws for a damaged archive, load throws a mixprec
   CHECK(refused > 0);
   CHECK(foreign > 0);  // the damage reached the exceptions that are not c10::Error
 }
+
+TEST_CASE("an optimizer whose own load() fails midway is rolled back: state and options bit-identical") {
+  // LibTorch's Optimizer::load inserts state as it reads; a failure after that must not leave it.
+  struct FailingAdam : torch::optim::Adam {
+    using Adam::Adam;
+    bool fail = false;
+    void load(torch::serialize::InputArchive& archive) override {
+      Adam::load(archive);
+      if (!fail) return;
+      param_groups()[0].options().set_lr(123.0);
+      throw std::runtime_error("injected failure after the state was read");
+    }
+  };
+  const auto path = temp_path("failing_load.ckpt");
+  const Batch batch(3);
+  torch::manual_seed(4);
+  auto net = std::make_shared<Net>();
+  FailingAdam adam(net->parameters(), torch::optim::AdamOptions(1e-2));
+  mp::Trainer<ScaledO2> trainer(net, adam);
+  auto step = [&] {
+    trainer.step([&] {
+      return torch::nn::functional::cross_entropy(net->forward(trainer.cast_input(batch.x)), batch.y);
+    });
+  };
+  step();
+  step();
+  trainer.save(path);
+  step();
+  const auto params = test::snapshot(net->parameters());
+  const auto masters = test::snapshot(trainer.master_weights());
+  const auto moments = test::adam_moments(adam);
+  const auto lr = adam.param_groups()[0].options().get_lr();
+  adam.fail = true;
+  CHECK_THROWS_WITH_AS(trainer.load(path), doctest::Contains("injected failure"), mp::Error);
+  CHECK(test::identical(test::snapshot(net->parameters()), params));
+  CHECK(test::identical(test::snapshot(trainer.master_weights()), masters));
+  CHECK(test::adam_moments(adam) == moments);
+  CHECK(adam.param_groups()[0].options().get_lr() == lr);
+  CHECK(trainer.stats().steps == 3);
+  adam.fail = false;
+  trainer.load(path);
+  CHECK(trainer.stats().steps == 2);
+  CHECK_FALSE(test::adam_moments(adam) == moments);
+}
+
+TEST_CASE("tied weights and a late param group: a checkpoint resumes bit-identically under MixedO2") {
+  // The issue's repro model (one Linear used twice) and a parameter unfrozen after construction.
+  const auto path = temp_path("tied_late.ckpt");
+  const Batch batch(9);
+  struct Run {
+    torch::nn::Sequential seq;
+    torch::optim::Adam adam;
+    mp::Trainer<ScaledO2> trainer;
+    Run()
+        : seq((torch::manual_seed(8), [] {
+            auto shared = torch::nn::Linear(8, 8);
+            return torch::nn::Sequential(shared, torch::nn::Tanh(), shared, torch::nn::Tanh(),
+                                         torch::nn::Linear(8, 1));
+          }())),
+          adam(seq->parameters(), torch::optim::AdamOptions(1e-2)),
+          trainer(seq, adam, mp::TrainerOptions().max_grad_norm(0.5)) {}
+    void unfreeze() {
+      auto late = seq->register_parameter("late", torch::full({1}, 0.5));
+      adam.add_param_group(torch::optim::OptimizerParamGroup(
+          {late}, std::make_unique<torch::optim::AdamOptions>(1e-3)));
+    }
+    void step(const Batch& b) {
+      trainer.step([&] {
+        const auto late = seq->named_parameters()["late"];
+        return torch::mse_loss(seq->forward(trainer.cast_input(b.x)) + late,
+                               trainer.cast_input(b.x.slice(1, 0, 1)));
+      });
+    }
+  };
+  Run source;
+  source.unfreeze();
+  source.step(batch);
+  source.step(batch);
+  source.trainer.save(path);
+  REQUIRE(source.trainer.master_weights().size() == 5U);  // tied weight and bias once, fc, late
+
+  Run resumed;
+  resumed.unfreeze();  // as the user's script does before loading: the group is adopted by load
+  resumed.trainer.load(path);
+  CHECK(test::identical(test::snapshot(resumed.trainer.master_weights()),
+                        test::snapshot(source.trainer.master_weights())));
+  for (int i = 0; i < 3; ++i) {
+    source.step(batch);
+    resumed.step(batch);
+  }
+  CHECK(test::identical(test::snapshot(resumed.trainer.master_weights()),
+                        test::snapshot(source.trainer.master_weights())));
+  CHECK(test::identical(test::snapshot(resumed.seq->parameters()),
+                        test::snapshot(source.seq->parameters())));
+
+  Run without;  // the late group not added: the checkpoint's fifth master has nowhere to go
+  CHECK_THROWS_WITH_AS(without.trainer.load(path), doctest::Contains("holds more than the 4 master"),
+                       mp::Error);
+}

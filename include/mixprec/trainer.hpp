@@ -457,8 +457,12 @@ class Trainer {
   /// optimizer: the optimizer's state and param-group options become the saved ones exactly,
   /// and an accumulation in progress is discarded. Anything else (a missing, truncated,
   /// corrupted or foreign file; another model or optimizer) throws mixprec::Error and changes
-  /// nothing.
+  /// nothing, but for a param group added since the last step: that is adopted first, as the
+  /// next step() would adopt it.
   void load(const std::string& path) {
+    // A param group added since the last step is adopted first, as step() would: the checkpoint
+    // of a run that had adopted it holds its masters and state, which must not be dropped.
+    if (!detail::same_group_sizes(*optimizer_, group_sizes_)) adopt_param_groups();
     const auto bytes = detail::read_checkpoint(path);
     torch::serialize::InputArchive archive;
     try {
@@ -571,6 +575,10 @@ class Trainer {
     for (std::size_t i = 0; i < masters.size(); ++i) {
       master_values.push_back(read_tensor(archive, "masters." + std::to_string(i), masters[i], false));
     }
+    at::Tensor extra;
+    MIXPREC_CHECK(!archive.try_read("masters." + std::to_string(masters.size()), extra), "checkpoint '",
+                  path, "' holds more than the ", masters.size(), " master weights of this trainer: "
+                  "it was saved with more param groups; add them to the optimizer before load()");
     c10::IValue scaler_state;
     MIXPREC_CHECK(archive.try_read("scaler", scaler_state) && scaler_state.isGenericDict(),
                   "'", path, "' lacks the scaler state");
