@@ -227,21 +227,15 @@ void aten_table(at::ScalarType dtype, std::int64_t count, std::int64_t per_tenso
                            elements_name(count * per_tensor) + " elements, intra-op threads " +
                            std::to_string(threads),
                        variants, m);
-    std::printf("
-mixprec / ATen = %.2fx; ATen with the output check / ATen = %.2fx.
-",
+    std::printf("\nmixprec / ATen = %.2fx; ATen with the output check / ATen = %.2fx.\n",
                 m[1] / m[0], m[2] / m[0]);
   }
   at::set_num_threads(threads_before);
 #else
   (void)dtype, (void)count, (void)per_tensor, (void)options;
-  std::printf("
-### ATen's AMP kernel vs mixprec's pass
-
-LibTorch %s has no CPU kernel for "
+  std::printf("\n### ATen's AMP kernel vs mixprec's pass\n\nLibTorch %s has no CPU kernel for "
               "`_amp_foreach_non_finite_check_and_unscale_` (it came in 2.3): mixprec's pass is "
-              "the CPU path.
-", TORCH_VERSION);
+              "the CPU path.\n", TORCH_VERSION);
 #endif
 }
 

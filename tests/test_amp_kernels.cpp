@@ -18,16 +18,6 @@ namespace mp = mixprec;
 
 namespace {
 
-/// Gradients of several sizes (a vector tail, one element, more than one parallel chunk).
-std::vector<at::Tensor> make_grads(at::ScalarType dtype, int poison) {
-  torch::manual_seed(21);
-  std::vector<at::Tensor> grads;
-  for (const std::int64_t n : {1, 31, 1000, (1 << 16) + 7}) grads.push_back((torch::randn({n}) * 1000).to(dtype));
-  if (poison == 1) grads[2][17] = std::numeric_limits<float>::infinity();
-  if (poison == 2) grads[3][40000] = std::numeric_limits<float>::quiet_NaN();
-  return grads;
-}
-
 std::vector<at::Tensor> clones(const std::vector<at::Tensor>& ts) {
   std::vector<at::Tensor> out;
   for (const auto& t : ts) out.push_back(t.clone());
@@ -51,6 +41,21 @@ bool same_values(const at::Tensor& a, const at::Tensor& b) {
 }
 
 }  // namespace
+
+#if MIXPREC_TORCH_AT_LEAST(2, 3)
+namespace {
+/// Gradients of several sizes (a vector tail, one element, more than one parallel chunk).
+std::vector<at::Tensor> make_grads(at::ScalarType dtype, int poison) {
+  torch::manual_seed(21);
+  std::vector<at::Tensor> grads;
+  for (const std::int64_t n : {1, 31, 1000, (1 << 16) + 7}) grads.push_back((torch::randn({n}) * 1000).to(dtype));
+  if (poison == 1) grads[2][17] = std::numeric_limits<float>::infinity();
+  if (poison == 2) grads[3][40000] = std::numeric_limits<float>::quiet_NaN();
+  return grads;
+}
+
+}  // namespace
+#endif
 
 TEST_SUITE("amp kernels") {
 #if MIXPREC_TORCH_AT_LEAST(2, 3)

@@ -81,4 +81,47 @@ TEST_SUITE("cuda") {
   }
 
   TEST_CASE("the fused CUDA scale update never grows to inf") { test::never_grows_to_inf(torch::kCUDA); }
+
+  TEST_CASE("a checkpoint restores the CUDA RNG: dropout masks repeat after load") {
+    auto net = torch::nn::Sequential(torch::nn::Linear(8, 8), torch::nn::Dropout(0.5));
+    net->to(torch::kCUDA);
+    torch::optim::Adam adam(net->parameters(), torch::optim::AdamOptions(1e-3));
+    mp::Trainer<mp::MixedO2<at::Half>> trainer(net, adam);
+    const auto path = std::string(MIXPREC_TEST_TMPDIR) + "/cuda_rng.ckpt";
+    trainer.save(path);
+    const auto first = torch::rand({64}, torch::kCUDA);
+    trainer.load(path);
+    const auto again = torch::rand({64}, torch::kCUDA);
+    CHECK(first.equal(again));
+    CHECK_FALSE(torch::rand({64}, torch::kCUDA).equal(first));
+  }
+
+  TEST_CASE("fused AdamW on CUDA: the unscale folded in, steps and skips as the unfused path") {
+    std::vector<int> skips;
+    std::vector<at::Tensor> finals;
+    for (const bool fused : {false, true}) {
+      torch::manual_seed(2);
+      auto net = torch::nn::Sequential(torch::nn::Linear(16, 16), torch::nn::Tanh(), torch::nn::Linear(16, 4));
+      net->to(torch::kCUDA);
+      torch::optim::AdamW adamw(net->parameters(), torch::optim::AdamWOptions(1e-2));
+      mp::Trainer<mp::MixedO2<at::Half>> trainer(
+          net, adamw, mp::TrainerOptions().fused_optimizer(fused).max_grad_norm(1.0).scaler(
+                          mp::GradScalerOptions().init_scale(std::ldexp(1.0, 30))));
+      const auto x = torch::randn({32, 16}, torch::kCUDA);
+      int skipped = 0;
+      for (int step = 0; step < 20; ++step) {
+        const auto report = trainer.step([&] {
+          return net->forward(trainer.cast_input(x)).to(at::kFloat).square().mean();
+        });
+        skipped += report.status == mp::StepStatus::skipped;
+      }
+      CHECK(skipped >= 2);  // 2^30 overflows fp16 gradients at first
+      CHECK(trainer.master_weights().front().device().is_cuda());
+      CHECK(trainer.master_weights().front().isfinite().all().item<bool>());
+      skips.push_back(skipped);
+      finals.push_back(trainer.master_weights().front().cpu());
+    }
+    CHECK(skips[0] == skips[1]);
+    CHECK(finals[0].allclose(finals[1], 1e-4, 1e-5));
+  }
 }

@@ -244,14 +244,15 @@ struct Run {
   std::vector<at::Tensor> params;
 };
 
-/// 30 steps of Trainer<P> with AdamW, fused or not; step 7 has a NaN input. Half policies start
-/// at a scale that overflows, so the first steps are skipped for real.
+/// 30 micro-batches of Trainer<P> with AdamW, fused or not; the 8th has a NaN input. Half
+/// policies start at a scale that overflows, so the first steps are skipped for real.
 template <class P>
-Run train(bool fused, std::optional<double> clip) {
+Run train(bool fused, std::optional<double> clip, std::int64_t accumulation) {
   torch::manual_seed(5);
   auto net = std::make_shared<Mlp>();
   torch::optim::AdamW adamw(net->parameters(), torch::optim::AdamWOptions(1e-2).weight_decay(0.01));
-  auto options = mp::TrainerOptions().fused_optimizer(fused).max_grad_norm(clip);
+  auto options = mp::TrainerOptions().fused_optimizer(fused).max_grad_norm(clip).accumulation_steps(
+      accumulation);
   if constexpr (!std::is_same_v<typename P::scaler_type, mp::NoScaler>) {
     options.scaler(mp::GradScalerOptions().init_scale(std::ldexp(1.0, 30)).growth_interval(4));
   }
@@ -286,10 +287,17 @@ Run train(bool fused, std::optional<double> clip) {
 TEST_CASE_TEMPLATE("Trainer: fused_optimizer takes the unfused path's steps, skips and scales", P,
                    mp::FullPrecision, mp::MixedO1<at::BFloat16>, mp::MixedO2<at::BFloat16>,
                    ScaledO2, mp::MixedO1<at::Half>, mp::MixedO2<at::Half>) {
-  for (const auto clip : {std::optional<double>{}, std::optional<double>{0.5}}) {
+  struct Case {
+    std::optional<double> clip;
+    std::int64_t accumulation;
+  };
+  for (const auto& c : {Case{std::nullopt, 1}, Case{0.5, 1}, Case{0.5, 2}}) {
+    const auto clip = c.clip;
+    const auto accumulation = c.accumulation;
     CAPTURE(clip.value_or(0.0));
-    const auto unfused = train<P>(false, clip);
-    const auto fused = train<P>(true, clip);
+    CAPTURE(accumulation);
+    const auto unfused = train<P>(false, clip, accumulation);
+    const auto fused = train<P>(true, clip, accumulation);
     CHECK(fused.statuses == unfused.statuses);
     CHECK(fused.scales == unfused.scales);
     CHECK(std::count(fused.statuses.begin(), fused.statuses.end(), mp::StepStatus::skipped) >=

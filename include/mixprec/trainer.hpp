@@ -29,6 +29,7 @@
 #include <ATen/core/grad_mode.h>
 #include <ATen/CPUGeneratorImpl.h>
 #include <torch/arg.h>
+#include <torch/cuda.h>
 #include <torch/nn/module.h>
 #include <torch/nn/pimpl.h>
 #include <torch/optim/adagrad.h>
@@ -407,7 +408,7 @@ class Trainer {
   }
 
   /// Writes model, optimizer (state and param-group options), scaler, master weights, counters
-  /// and the CPU RNG state to `path` atomically, with a checksum that load() verifies. Call
+  /// and the RNG states (CPU, and each CUDA device's) to `path` atomically, with a checksum that load() verifies. Call
   /// between optimizer steps, not in the middle of an accumulation.
   void save(const std::string& path) const {
     MIXPREC_CHECK(pending_ == 0, "save() in the middle of an accumulation (", pending_, " of ",
@@ -445,6 +446,11 @@ class Trainer {
       archive.write("optimizer.groups", groups_archive);
       archive.write("scaler", c10::IValue(scaler_.state_dict()));
       archive.write("rng.cpu", cpu_rng_state());
+      for (std::size_t d = 0; d < cuda_devices(); ++d) {
+        auto generator = cuda_generator(d);
+        std::lock_guard<std::mutex> lock(generator.mutex());
+        archive.write("rng.cuda." + std::to_string(d), generator.get_state());
+      }
       detail::save_checkpoint(archive, path);
     } catch (const Error&) {
       throw;
@@ -533,6 +539,13 @@ class Trainer {
     if (options_.on_step()) options_.on_step()(report);
   }
 
+  // CUDA's generators, one per device; none on a machine without CUDA.
+  static std::size_t cuda_devices() { return torch::cuda::is_available() ? torch::cuda::device_count() : 0; }
+  static at::Generator cuda_generator(std::size_t device) {
+    return at::globalContext().defaultGenerator(
+        at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(device)));
+  }
+
   static at::Tensor cpu_rng_state() {
     auto generator = at::detail::getDefaultCPUGenerator();
     std::lock_guard<std::mutex> lock(generator.mutex());
@@ -588,6 +601,19 @@ class Trainer {
       at::make_generator<at::CPUGeneratorImpl>().set_state(rng);
     } catch (const c10::Error&) {
       detail::fail("'", path, "' holds an invalid RNG state");
+    }
+    // CUDA's, where both the checkpoint and this machine have the device (a run resumed on a
+    // machine without CUDA, or with fewer devices, keeps its own for the rest).
+    std::vector<std::pair<std::size_t, at::Tensor>> cuda_rng;
+    for (std::size_t d = 0; d < cuda_devices(); ++d) {
+      at::Tensor state;
+      if (!archive.try_read("rng.cuda." + std::to_string(d), state)) continue;
+      try {
+        cuda_generator(d).clone().set_state(state);
+      } catch (const c10::Error&) {
+        detail::fail("'", path, "' holds an invalid CUDA RNG state for device ", d);
+      }
+      cuda_rng.emplace_back(d, state);
     }
     torch::serialize::InputArchive optimizer_archive, groups_archive;
     at::Tensor saved_sizes;
@@ -650,6 +676,11 @@ class Trainer {
     {
       std::lock_guard<std::mutex> lock(generator.mutex());
       generator.set_state(rng);
+    }
+    for (const auto& [device, state] : cuda_rng) {
+      auto cuda = cuda_generator(device);
+      std::lock_guard<std::mutex> lock(cuda.mutex());
+      cuda.set_state(state);
     }
     stats_.steps = counters[0].item<std::int64_t>();
     stats_.skipped_steps = counters[1].item<std::int64_t>();
