@@ -408,8 +408,8 @@ class Trainer {
   }
 
   /// Writes model, optimizer (state and param-group options), scaler, master weights, counters
-  /// and the RNG states (CPU, and each CUDA device's) to `path` atomically, with a checksum that load() verifies. Call
-  /// between optimizer steps, not in the middle of an accumulation.
+  /// and the RNG states (CPU, and each CUDA device's) to `path` atomically, with a checksum that
+  /// load() verifies. Call between optimizer steps, not in the middle of an accumulation.
   void save(const std::string& path) const {
     MIXPREC_CHECK(pending_ == 0, "save() in the middle of an accumulation (", pending_, " of ",
                   options_.accumulation_steps(), " micro-batches): save after a step");
@@ -540,7 +540,9 @@ class Trainer {
   }
 
   // CUDA's generators, one per device; none on a machine without CUDA.
-  static std::size_t cuda_devices() { return torch::cuda::is_available() ? torch::cuda::device_count() : 0; }
+  static std::size_t cuda_devices() {
+    return torch::cuda::is_available() ? torch::cuda::device_count() : 0;
+  }
   static at::Generator cuda_generator(std::size_t device) {
     return at::globalContext().defaultGenerator(
         at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(device)));
