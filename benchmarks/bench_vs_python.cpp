@@ -46,6 +46,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <filesystem>
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
@@ -1130,6 +1131,17 @@ std::string python_script() { return MIXPREC_TRAIN_LOOP_SCRIPT; }
 
 }  // namespace
 
+/// A path as the docs show it: relative to the working directory when inside it (the checkout
+/// in scripts/bench), so that no machine's absolute paths reach docs/benchmarks.md.
+std::string shown_path(const std::string& path) {
+  std::error_code error;
+  const auto cwd = std::filesystem::current_path(error);
+  const auto absolute = std::filesystem::absolute(path, error);
+  if (error) return path;
+  const auto relative = absolute.lexically_relative(cwd);
+  return !relative.empty() && *relative.begin() != ".." ? relative.string() : path;
+}
+
 int main(int argc, char** argv) {
   if (argc >= 2 && std::string(argv[1]) == "--memory-child") return memory_child_main(argc, argv);
   const auto options = bench::parse_options(argc, argv);
@@ -1146,7 +1158,7 @@ int main(int argc, char** argv) {
                 "Python: torch.set_num_threads). Python: %s, torch %s, the same LibTorch. "
                 "Attention softmax: mixprec::ops::masked_softmax<P> in C++, masked_fill(-inf) + "
                 "softmax in Python.\n",
-                kCommand, options.smoke ? " --smoke" : "", threads, interpreter.c_str(),
+                kCommand, options.smoke ? " --smoke" : "", threads, shown_path(interpreter).c_str(),
                 ready.size() > 1 ? ready[1].c_str() : "?");
 
     std::vector<Workload> workloads;
