@@ -157,6 +157,12 @@ class MasterWeights {
     return result;
   }
 
+  /// The master of a model tensor (itself for an fp32 one); undefined if it has none.
+  at::Tensor master_of(const at::Tensor& model) const {
+    const auto it = pair_of_model_.find(model.unsafeGetTensorImpl());
+    return it == pair_of_model_.end() ? at::Tensor() : pairs_[it->second].master;
+  }
+
   /// For each parameter the optimizer holds, in its order, the model tensor whose gradient
   /// feeds it: UnscaleOptions::grads_from.
   const std::vector<at::Tensor>& grad_sources() const noexcept { return sources_; }

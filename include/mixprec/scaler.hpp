@@ -27,6 +27,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <functional>
 #include <limits>
 #include <optional>
 #include <string>
@@ -68,6 +69,10 @@ struct UnscaleOptions {
   /// More values whose inf/NaN also skips the step, e.g. the loss: a NaN loss can have finite
   /// gradients. Checked on the device, without a host synchronisation.
   TORCH_ARG(at::Tensor, also_check) = {};
+  /// Called with the one-element fp32 inf flag (non-zero: inf/NaN) once the local checks are
+  /// done, before the step-or-skip decision reads it: data-parallel training MAX-reduces it
+  /// across ranks (DataParallel::agree), so that every rank steps or skips alike.
+  TORCH_ARG(std::function<void(at::Tensor&)>, agree) = nullptr;
 };
 
 /// What ScalerCore::step_fused did.
@@ -200,6 +205,7 @@ class ScalerCore {
         throw;
       }
       entry.found_inf = found_inf;
+      agree(options, entry);
     }
     entry.stage = Stage::unscaled;
     return norm;
@@ -284,6 +290,7 @@ class ScalerCore {
     }
     entry.found_inf = found_inf;
     entry.stage = Stage::stepped;
+    agree(options, entry);
     result.stepped = !found_of(entry);
     if (result.stepped) {
       std::forward<FusedStep>(fused_step)(grad_scale);
@@ -356,6 +363,14 @@ class ScalerCore {
       MIXPREC_CHECK(*options.max_grad_norm() > 0 && std::isfinite(*options.max_grad_norm()),
                     "max_grad_norm must be finite and > 0, got ", *options.max_grad_norm());
     }
+  }
+
+  // The flag as every rank sees it, with what the host knew already folded in.
+  static void agree(const UnscaleOptions& options, Entry& entry) {
+    if (!options.agree()) return;
+    if (entry.found_host.value_or(false)) entry.found_inf.fill_(1.0);
+    options.agree()(entry.found_inf);
+    entry.found_host.reset();
   }
 
   // Ors the inf/NaN of UnscaleOptions::also_check (e.g. the loss) into found_inf, on the device.

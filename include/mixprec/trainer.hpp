@@ -19,6 +19,7 @@
 #include <mixprec/concepts.hpp>
 #include <mixprec/detail/checkpoint_file.hpp>
 #include <mixprec/detail/model_cast.hpp>
+#include <mixprec/distributed.hpp>
 #include <mixprec/error.hpp>
 #include <mixprec/fused_adam.hpp>
 #include <mixprec/master_weights.hpp>
@@ -41,6 +42,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <exception>
 #include <functional>
 #include <memory>
 #include <mutex>
@@ -103,6 +105,10 @@ struct TrainerOptions {
   /// LibTorch >= 2.4 and fp32 optimizer parameters (every policy but PureHalf); results equal
   /// the unfused step's up to rounding (docs/guide.md, "Fused Adam").
   TORCH_ARG(bool, fused_optimizer) = false;
+  /// Data-parallel training over a c10d process group (docs/distributed.md): gradients are
+  /// averaged across ranks before unscaling, every rank steps or skips alike, rank 0 writes
+  /// the checkpoints. Every rank must construct its Trainer and call step/save/load alike.
+  TORCH_ARG(std::optional<DistributedOptions>, distributed) = std::nullopt;
 };
 
 namespace detail {
@@ -265,6 +271,11 @@ class Trainer {
     // All checks passed: from here on the model and optimizer change.
     claim_ = std::move(claim);
     params_ = params;
+    // Collective: the same model on every rank, then rank 0's values everywhere (before the
+    // masters are made from them).
+    if (options_.distributed()) {
+      data_parallel_ = std::make_unique<DataParallel>(*model_, *options_.distributed());
+    }
     if constexpr (P::cast_model) {
       std::vector<at::Tensor> fp32_values;
       if constexpr (P::master_weights) {
@@ -275,6 +286,7 @@ class Trainer {
     }
     detail::dedupe_param_groups(optimizer);  // the optimizer steps each tensor once
     group_sizes_ = detail::group_sizes(optimizer);
+    if (data_parallel_) bind_data_parallel();
   }
 
   /// For a ModuleHolder such as torch::nn::Sequential.
@@ -292,6 +304,9 @@ class Trainer {
     // Comparing the groups' sizes is cheap; a group added since is adopted before the forward
     // pass, which must already see its tensors cast.
     if (!detail::same_group_sizes(*optimizer_, group_sizes_)) adopt_param_groups();
+    if (data_parallel_ && data_parallel_->options().broadcast_buffers()) {
+      data_parallel_->broadcast_from_rank0(*model_);
+    }
     at::Tensor loss;
     {
       auto guard = autocast<P>(device_type_);
@@ -313,9 +328,18 @@ class Trainer {
     const auto to_backprop = n > 1 ? loss32 / static_cast<double>(n) : loss32;
     StepReport report;
     report.scale = scaler_.get_scale();
+    // Data parallel: gradients travel during the backward pass of the last micro-batch only.
+    const bool reduce = data_parallel_ && pending_ + 1 == n;
+    if (data_parallel_) {
+      if (reduce && trainable_changed()) bind_data_parallel();
+      data_parallel_->prepare(reduce);
+    }
     scaler_.scale(to_backprop).backward();
+    // The averages land in the holders' gradients: under MixedO2 the fp32 masters', which
+    // then hold the accumulated micro-batches too.
+    if (reduce) data_parallel_->finish();
     // Micro-batch gradients sum in the fp32 master gradients, not in the Low model gradients.
-    if (masters_ && n > 1) masters_->accumulate_grads();
+    if (masters_ && n > 1 && !reduce) masters_->accumulate_grads();
     report.loss = loss32.detach();
     loss_sum_ = loss_sum_.defined() ? loss_sum_ + report.loss : report.loss;
     ++stats_.micro_batches;
@@ -327,7 +351,10 @@ class Trainer {
     pending_ = 0;
     UnscaleOptions unscale;
     unscale.max_grad_norm(options_.max_grad_norm());
-    if (masters_ && n == 1) unscale.grads_from(masters_->grad_sources());  // else in place
+    if (masters_ && n == 1 && !data_parallel_) {
+      unscale.grads_from(masters_->grad_sources());  // else in place
+    }
+    if (data_parallel_) unscale.agree([this](at::Tensor& found) { data_parallel_->agree(found); });
     // A NaN loss can have finite gradients. On the CPU the check is a read of one float; on a
     // device it joins the gradients' inf check, without a synchronisation.
     if (!loss_sum_.device().is_cpu() || !std::isfinite(loss_sum_.item<double>())) {
@@ -410,9 +437,76 @@ class Trainer {
   /// Writes model, optimizer (state and param-group options), scaler, master weights, counters
   /// and the RNG states (CPU, and each CUDA device's) to `path` atomically, with a checksum that
   /// load() verifies. Call between optimizer steps, not in the middle of an accumulation.
+  /// Data parallel: every rank calls it; rank 0 writes (with every rank's CPU RNG state) and
+  /// the others return once it has, with its Error if it failed.
   void save(const std::string& path) const {
     MIXPREC_CHECK(pending_ == 0, "save() in the middle of an accumulation (", pending_, " of ",
                   options_.accumulation_steps(), " micro-batches): save after a step");
+    if (!data_parallel_) return write(path, {});
+    auto& group = *data_parallel_;
+    auto rngs = group.all_gather(cpu_rng_state().to(group.device()));
+    std::exception_ptr failure;
+    if (group.rank() == 0) {
+      try {
+        write(path, rngs);
+      } catch (...) {
+        failure = std::current_exception();
+      }
+    }
+    const bool failed = group.any(failure != nullptr);
+    if (failure) std::rethrow_exception(failure);
+    MIXPREC_CHECK(!failed, "rank ", group.rank(), ": rank 0 could not write checkpoint '", path,
+                  "' (its Error says why)");
+  }
+
+  /// Restores a checkpoint written by save() of a Trainer of the same policy, model and
+  /// optimizer: the optimizer's state and param-group options become the saved ones exactly,
+  /// and an accumulation in progress is discarded. Anything else (a missing, truncated,
+  /// corrupted or foreign file; another model or optimizer) throws mixprec::Error and changes
+  /// nothing, but for a param group added since the last step: that is adopted first, as the
+  /// next step() would adopt it. Data parallel: every rank loads the file (rank 0's path on a
+  /// shared file system); if any rank cannot, every rank throws and none changes.
+  void load(const std::string& path) {
+    // A param group added since the last step is adopted first, as step() would: the checkpoint
+    // of a run that had adopted it holds its masters and state, which must not be dropped.
+    if (!detail::same_group_sizes(*optimizer_, group_sizes_)) adopt_param_groups();
+    bool voted = false;  // data parallel: whether this rank has said if it can load
+    auto commit = [&] {
+      if (!data_parallel_) return;
+      voted = true;
+      MIXPREC_CHECK(!data_parallel_->any(false), "rank ", data_parallel_->rank(), ": another "
+                    "rank could not load checkpoint '", path, "' (its Error says why); nothing "
+                    "was changed on any rank");
+    };
+    try {
+      load_file(path, commit);
+    } catch (...) {
+      if (data_parallel_ && !voted) (void)data_parallel_->any(true);
+      throw;
+    }
+  }
+
+ private:
+  template <class Commit>
+  void load_file(const std::string& path, Commit& commit) {
+    const auto bytes = detail::read_checkpoint(path);
+    torch::serialize::InputArchive archive;
+    try {
+      archive.load_from(bytes.data(), bytes.size());
+    } catch (const std::exception& e) {
+      detail::fail("cannot read checkpoint '", path, "': ", detail::message_of(e));
+    }
+    try {
+      load_checked(archive, path, commit);
+    } catch (const Error&) {
+      throw;
+    } catch (const std::exception& e) {  // c10::Error, or torch::jit::ErrorReport, which is not
+      detail::fail("checkpoint '", path, "' does not fit this trainer: ", detail::message_of(e));
+    }
+  }
+
+  // `rngs`: every rank's CPU RNG state, in rank order, when data parallel.
+  void write(const std::string& path, const std::vector<at::Tensor>& rngs) const {
     try {
       torch::serialize::OutputArchive archive;
       archive.write("mixprec.policy", c10::IValue(std::string(P::name)));
@@ -446,6 +540,9 @@ class Trainer {
       archive.write("optimizer.groups", groups_archive);
       archive.write("scaler", c10::IValue(scaler_.state_dict()));
       archive.write("rng.cpu", cpu_rng_state());
+      for (std::size_t r = 1; r < rngs.size(); ++r) {
+        archive.write("rng.cpu.rank" + std::to_string(r), rngs[r].cpu());
+      }
       for (std::size_t d = 0; d < cuda_devices(); ++d) {
         auto generator = cuda_generator(d);
         std::lock_guard<std::mutex> lock(generator.mutex());
@@ -459,33 +556,6 @@ class Trainer {
     }
   }
 
-  /// Restores a checkpoint written by save() of a Trainer of the same policy, model and
-  /// optimizer: the optimizer's state and param-group options become the saved ones exactly,
-  /// and an accumulation in progress is discarded. Anything else (a missing, truncated,
-  /// corrupted or foreign file; another model or optimizer) throws mixprec::Error and changes
-  /// nothing, but for a param group added since the last step: that is adopted first, as the
-  /// next step() would adopt it.
-  void load(const std::string& path) {
-    // A param group added since the last step is adopted first, as step() would: the checkpoint
-    // of a run that had adopted it holds its masters and state, which must not be dropped.
-    if (!detail::same_group_sizes(*optimizer_, group_sizes_)) adopt_param_groups();
-    const auto bytes = detail::read_checkpoint(path);
-    torch::serialize::InputArchive archive;
-    try {
-      archive.load_from(bytes.data(), bytes.size());
-    } catch (const std::exception& e) {
-      detail::fail("cannot read checkpoint '", path, "': ", detail::message_of(e));
-    }
-    try {
-      load_checked(archive, path);
-    } catch (const Error&) {
-      throw;
-    } catch (const std::exception& e) {  // c10::Error, or torch::jit::ErrorReport, which is not
-      detail::fail("checkpoint '", path, "' does not fit this trainer: ", detail::message_of(e));
-    }
-  }
-
- private:
   void zero_grads() {
     // What Module::zero_grad does, without rebuilding the named parameter list every step.
     for (auto& p : params_) {
@@ -533,6 +603,32 @@ class Trainer {
     detail::dedupe_param_groups(*optimizer_);
     params_ = params;
     group_sizes_ = detail::group_sizes(*optimizer_);
+    if (data_parallel_) bind_data_parallel();  // the new masters hold the averages
+  }
+
+  // Whether a parameter has been frozen or unfrozen since the gradients were bound.
+  bool trainable_changed() const {
+    std::size_t k = 0;
+    for (const auto& p : params_) {
+      if (!p.requires_grad()) continue;
+      if (k == trainable_.size() || trainable_[k] != p.unsafeGetTensorImpl()) return true;
+      ++k;
+    }
+    return k != trainable_.size();
+  }
+
+  // Every trainable model tensor's gradient is averaged into its master's (MixedO2) or its own.
+  void bind_data_parallel() {
+    std::vector<at::Tensor> params, holders;
+    trainable_.clear();
+    for (const auto& p : params_) {
+      if (!p.requires_grad()) continue;
+      const auto master = masters_ ? masters_->master_of(p) : at::Tensor();
+      params.push_back(p);
+      holders.push_back(master.defined() ? master : p);
+      trainable_.push_back(p.unsafeGetTensorImpl());
+    }
+    data_parallel_->bind(params, holders);
   }
 
   void notify(const StepReport& report) const {
@@ -565,7 +661,9 @@ class Trainer {
   }
 
   // Reads everything into temporaries first; assigns only when all of it is there and fits.
-  void load_checked(torch::serialize::InputArchive& archive, const std::string& path) {
+  template <class Commit>
+  void load_checked(torch::serialize::InputArchive& archive, const std::string& path,
+                    Commit& commit) {
     c10::IValue policy_name;
     MIXPREC_CHECK(archive.try_read("mixprec.policy", policy_name) && policy_name.isString(),
                   "'", path, "' is not a mixprec checkpoint (no policy recorded)");
@@ -599,6 +697,10 @@ class Trainer {
                   "'", path, "' lacks the scaler state");
     at::Tensor rng;
     MIXPREC_CHECK(archive.try_read("rng.cpu", rng), "'", path, "' lacks the RNG state");
+    if (data_parallel_ && data_parallel_->rank() > 0) {  // this rank's own, where saved
+      at::Tensor own;
+      if (archive.try_read("rng.cpu.rank" + std::to_string(data_parallel_->rank()), own)) rng = own;
+    }
     try {  // a state of the wrong size would fail only after everything else was loaded
       at::make_generator<at::CPUGeneratorImpl>().set_state(rng);
     } catch (const c10::Error&) {
@@ -649,6 +751,7 @@ class Trainer {
     }
     auto scaler = detail::make_scaler<P>(options_);  // validates the state before any change
     scaler.load_state_dict(scaler_state.toGenericDict());
+    commit();  // every rank has read and checked all of it
 
     // The optimizer loads in place, and LibTorch's load() only adds state: start from none,
     // and put the previous state (the same objects) and options back if it throws.
@@ -704,6 +807,8 @@ class Trainer {
   std::optional<MasterWeights> masters_;
   c10::DeviceType device_type_ = c10::DeviceType::CPU;
   TrainerStats stats_;
+  std::unique_ptr<DataParallel> data_parallel_;  // with TrainerOptions::distributed
+  std::vector<const void*> trainable_;           // the tensors data_parallel_ reduces
   std::int64_t pending_ = 0;  // micro-batches accumulated since the last optimizer step
   at::Tensor loss_sum_;       // their losses: inf/NaN in any of them skips the step
 };

@@ -1,0 +1,487 @@
+#pragma once
+/// DataParallel: averages gradients across processes on PyTorch's own distributed engine, c10d
+/// (ProcessGroupGloo on the CPU, ProcessGroupNCCL on CUDA), as DistributedDataParallel does:
+/// in buckets (25 MiB, the first 1 MiB, reverse parameter order) launched while the backward
+/// pass still runs, in fp32 by default. A Trainer given TrainerOptions::distributed uses it:
+///
+///   auto group = mixprec::gloo_group(mixprec::LaunchEnvironment::from_env());  // torchrun's
+///   mixprec::Trainer<mixprec::MixedO2<at::BFloat16>> trainer(
+///       model, optimizer, mixprec::TrainerOptions().distributed(mixprec::DistributedOptions(group)));
+///
+/// Every rank must make the same calls (steps, saves, loads) in the same order: each is a
+/// collective. A rank that dies makes the others' next collective throw mixprec::Error.
+
+#include <mixprec/detail/checkpoint_file.hpp>
+#include <mixprec/error.hpp>
+
+#include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
+#include <torch/arg.h>
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/variable.h>
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <torch/csrc/distributed/c10d/Types.hpp>
+#include <torch/nn/module.h>
+#include <torch/version.h>
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <unordered_set>
+#include <utility>
+#include <vector>
+
+namespace mixprec {
+
+/// The c10d process group type that ProcessGroupGloo and ProcessGroupNCCL derive from:
+/// c10d::Backend in LibTorch 2.x, c10d::ProcessGroup in 1.13.
+#if TORCH_VERSION_MAJOR >= 2
+using ProcessGroup = c10d::Backend;
+#else
+using ProcessGroup = c10d::ProcessGroup;
+#endif
+
+/// Settings of data-parallel training; DDP's defaults.
+struct DistributedOptions {
+  explicit DistributedOptions(c10::intrusive_ptr<ProcessGroup> group)
+      : process_group_(std::move(group)) {}
+  /// The ranks to average over.
+  TORCH_ARG(c10::intrusive_ptr<ProcessGroup>, process_group);
+  /// Bucket size in MiB of the reduced dtype; 0: one bucket per tensor.
+  TORCH_ARG(double, bucket_cap_mb) = 25.0;
+  /// The first bucket (the last layers, whose gradients are ready first) is smaller, so that
+  /// communication starts early in the backward pass.
+  TORCH_ARG(double, first_bucket_cap_mb) = 1.0;
+  /// The dtype gradients travel in: kFloat (default; under MixedO2 the fp32 master gradients
+  /// are the result), or kBFloat16/kHalf, half the bytes, divided by the world size before the
+  /// sum so that it cannot overflow, and rounded twice (docs/distributed.md).
+  TORCH_ARG(c10::ScalarType, reduce_dtype) = at::kFloat;
+  /// Launch each bucket as soon as its gradients are ready; false: all after the backward pass.
+  TORCH_ARG(bool, overlap) = true;
+  /// Copy rank 0's buffers (BatchNorm statistics) to every rank before each forward pass, as
+  /// DDP's broadcast_buffers=True does.
+  TORCH_ARG(bool, broadcast_buffers) = true;
+};
+
+namespace detail {
+
+// Runs a collective and waits for it; any failure (a peer gone, a timeout, a dtype the backend
+// refuses) becomes a mixprec::Error that names the rank and the operation.
+template <class Launch>
+void run_collective(int rank, const char* what, Launch&& launch) {
+  try {
+    auto work = launch();
+    work->wait();
+  } catch (const Error&) {
+    throw;
+  } catch (const std::exception& e) {
+    fail("rank ", rank, ": the ", what, " across ranks failed: ", message_of(e),
+         ". A peer process has probably exited or stalled (every rank must make the same Trainer "
+         "calls in the same order); this process group cannot continue");
+  }
+}
+
+// FNV-1a over the names, dtypes, shapes and requires_grad of a module's tensors.
+inline std::uint64_t module_fingerprint(const torch::nn::Module& module) {
+  std::uint64_t hash = 14695981039346656037ULL;
+  auto mix = [&](const void* data, std::size_t size) {
+    const auto* bytes = static_cast<const unsigned char*>(data);
+    for (std::size_t i = 0; i < size; ++i) hash = (hash ^ bytes[i]) * 1099511628211ULL;
+  };
+  auto mix_tensor = [&](const std::string& name, const at::Tensor& t, bool grad) {
+    mix(name.data(), name.size());
+    const auto dtype = static_cast<int>(t.scalar_type());
+    mix(&dtype, sizeof dtype);
+    for (const auto size : t.sizes()) mix(&size, sizeof size);
+    mix(&grad, sizeof grad);
+  };
+  for (const auto& item : module.named_parameters()) {
+    mix_tensor("p:" + item.key(), item.value(), item.value().requires_grad());
+  }
+  for (const auto& item : module.named_buffers()) mix_tensor("b:" + item.key(), item.value(), false);
+  return hash;
+}
+
+}  // namespace detail
+
+/// Gradient averaging across the ranks of a process group, with DDP's buckets and overlap;
+/// the Trainer drives it (see TrainerOptions::distributed), a custom loop can too: bind(), then
+/// per optimizer step prepare(true), backward, finish(), and agree() on the inf flag.
+class DataParallel {
+ public:
+  /// Checks that every rank holds a model of the same structure (an Error on every rank if
+  /// not), then copies rank 0's parameters and buffers to every rank. Collective.
+  DataParallel(torch::nn::Module& model, DistributedOptions options)
+      : options_(std::move(options)), state_(std::make_shared<State>()) {
+    MIXPREC_CHECK(options_.process_group(), "DistributedOptions got a null process group");
+    MIXPREC_CHECK(options_.bucket_cap_mb() >= 0 && options_.first_bucket_cap_mb() >= 0,
+                  "DistributedOptions: bucket sizes must be >= 0 MiB, got ",
+                  options_.first_bucket_cap_mb(), " and ", options_.bucket_cap_mb());
+    const auto dtype = options_.reduce_dtype();
+    MIXPREC_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
+                  "DistributedOptions::reduce_dtype must be kFloat, kBFloat16 or kHalf, got ",
+                  dtype);
+#if TORCH_VERSION_MAJOR < 2
+    MIXPREC_CHECK(dtype != at::kBFloat16 || group().getBackendName() != "gloo",
+                  "DistributedOptions::reduce_dtype(kBFloat16): LibTorch ", TORCH_VERSION,
+                  "'s Gloo backend cannot reduce bf16; reduce in kFloat (the default) or kHalf");
+#endif
+    state_->group = options_.process_group();
+    state_->reduce_dtype = dtype;
+    state_->rank = group().getRank();
+    state_->world = group().getSize();
+    const auto params = model.parameters();
+    if (!params.empty()) device_ = params.front().device();
+    check_same_structure(model);
+    broadcast_from_rank0(model, /*parameters=*/true);
+  }
+
+  ~DataParallel() { unbind(); }
+  DataParallel(const DataParallel&) = delete;
+  DataParallel& operator=(const DataParallel&) = delete;
+
+  int rank() const noexcept { return state_->rank; }
+  /// The model's device, where the collectives' tensors live (NCCL reduces CUDA tensors only).
+  at::Device device() const noexcept { return device_; }
+  int world_size() const noexcept { return state_->world; }
+  const DistributedOptions& options() const noexcept { return options_; }
+
+  /// Reduces the gradients of `params` (leaf tensors, each once): after finish(),
+  /// `holders[i].grad()` is the average over ranks of params[i]'s gradient (plus what
+  /// holders[i].grad() had accumulated, when holders[i] is another tensor, an fp32 master).
+  /// Replaces an earlier binding. Collective: every rank must bind the same shapes.
+  void bind(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& holders) {
+    MIXPREC_CHECK(params.size() == holders.size(), "DataParallel::bind needs one holder per "
+                  "parameter, got ", holders.size(), " for ", params.size());
+    std::int64_t total = 0;
+    for (std::size_t i = 0; i < params.size(); ++i) {
+      MIXPREC_CHECK(params[i].requires_grad() && params[i].is_leaf(), "DataParallel reduces the "
+                    "gradients of leaf tensors that require grad; tensor ", i, " of shape ",
+                    params[i].sizes(), " is not one");
+      MIXPREC_CHECK(params[i].device() == params.front().device(), "DataParallel: the model "
+                    "spans devices ", params.front().device(), " and ", params[i].device(),
+                    "; use one device per process, as DDP does");
+      MIXPREC_CHECK(holders[i].sizes() == params[i].sizes(), "DataParallel::bind: holder ", i,
+                    " has shape ", holders[i].sizes(), ", its parameter ", params[i].sizes());
+      total += params[i].numel();
+    }
+    // The same tensors on every rank, or the buckets would not match.
+    const auto counts = all_equal(static_cast<std::int64_t>(params.size()), total);
+    MIXPREC_CHECK(counts, "rank ", rank(), ": the ranks train different parameter sets (",
+                  params.size(), " tensors, ", total, " elements here): freeze and unfreeze the "
+                  "same parameters on every rank");
+    unbind();
+    auto& s = *state_;
+    s.slots.clear();
+    s.buckets.clear();
+    const auto element = static_cast<double>(at::elementSize(options_.reduce_dtype()));
+    // Reverse order: the backward pass produces the last layers' gradients first.
+    double limit = options_.first_bucket_cap_mb() * 1024.0 * 1024.0;
+    double bytes = 0;
+    for (std::size_t k = params.size(); k-- > 0;) {
+      const double size = static_cast<double>(params[k].numel()) * element;
+      if (s.buckets.empty() || (bytes > 0 && bytes + size > limit)) {
+        if (!s.buckets.empty()) limit = options_.bucket_cap_mb() * 1024.0 * 1024.0;
+        s.buckets.emplace_back();
+        bytes = 0;
+      }
+      auto& bucket = s.buckets.back();
+      s.slots.push_back({params[k], holders[k], s.buckets.size() - 1, bucket.numel, false});
+      bucket.slots.push_back(s.slots.size() - 1);
+      bucket.numel += params[k].numel();
+      bytes += size;
+    }
+    const auto options = at::TensorOptions(options_.reduce_dtype())
+                             .device(params.empty() ? at::Device(at::kCPU) : params.front().device());
+    for (std::size_t b = 0; b < s.buckets.size(); ++b) {
+      // The last bucket also carries, per slot, whether the rank has a gradient for it.
+      const auto extra = b + 1 == s.buckets.size() ? static_cast<std::int64_t>(s.slots.size()) : 0;
+      s.buckets[b].flat = at::zeros({s.buckets[b].numel + extra}, options);
+    }
+    for (std::size_t i = 0; i < s.slots.size(); ++i) {
+      auto accumulator = torch::autograd::impl::grad_accumulator(s.slots[i].param);
+      hook_keys_.push_back(accumulator->add_post_hook(std::make_unique<Hook>(state_, i)));
+      accumulators_.push_back(std::move(accumulator));
+    }
+  }
+
+  /// Before a backward pass: `sync` on the micro-batch after which gradients are reduced
+  /// (the last of an accumulation); before the others nothing is communicated.
+  void prepare(bool sync) {
+    std::lock_guard<std::mutex> lock(state_->mutex);
+    auto& s = *state_;
+    s.active = sync && !s.slots.empty();
+    s.next = 0;
+    s.overlap = options_.overlap();
+    for (auto& slot : s.slots) slot.ready = false;
+    for (auto& bucket : s.buckets) {
+      bucket.pending = bucket.slots.size();
+      bucket.work.reset();
+    }
+  }
+
+  /// After the backward pass of a prepare(true): reduces what is left (a parameter that got no
+  /// gradient on this rank counts as zeros), waits, and writes the averages into the holders'
+  /// gradients. A tensor with no gradient on any rank keeps its undefined gradient, as in one
+  /// process.
+  void finish() {
+    std::lock_guard<std::mutex> lock(state_->mutex);
+    auto& s = *state_;
+    if (!s.active) return;
+    s.active = false;
+    bool all_local = true;
+    for (std::size_t i = 0; i < s.slots.size(); ++i) {
+      if (!s.slots[i].ready) {
+        s.fill(i);
+        s.slots[i].ready = true;
+        --s.buckets[s.slots[i].bucket].pending;
+      }
+    }
+    auto& last = s.buckets.back();
+    auto used = last.flat.narrow(0, last.numel, static_cast<std::int64_t>(s.slots.size()));
+    std::vector<float> local_used(s.slots.size());
+    for (std::size_t i = 0; i < s.slots.size(); ++i) {
+      local_used[i] = s.has_gradient(i) ? 1.0F : 0.0F;
+      all_local = all_local && local_used[i] != 0.0F;
+    }
+    used.copy_(at::from_blob(local_used.data(), {static_cast<std::int64_t>(local_used.size())},
+                             at::kFloat));
+    s.launch_ready(/*include_last=*/true);
+    for (std::size_t b = 0; b < s.buckets.size(); ++b) {
+      auto& bucket = s.buckets[b];
+      detail::run_collective(s.rank, "gradient allreduce", [&] { return bucket.work; });
+      bucket.work.reset();
+      if (options_.reduce_dtype() == at::kFloat) {
+        bucket.flat.narrow(0, 0, bucket.numel).div_(s.world);
+      }
+    }
+    // Whether another rank had a gradient matters only where this one had none: read the
+    // counts (a host copy) only then.
+    std::vector<float> global_used;
+    if (!all_local) {
+      auto counts = used.to(at::kFloat).cpu();
+      global_used.assign(counts.data_ptr<float>(), counts.data_ptr<float>() + counts.numel());
+    }
+    at::NoGradGuard no_grad;
+    for (std::size_t i = 0; i < s.slots.size(); ++i) {
+      if (!all_local && global_used[i] == 0.0F) continue;
+      auto& slot = s.slots[i];
+      const auto value = s.view(i).view(slot.holder.sizes());
+      auto& grad = slot.holder.mutable_grad();
+      if (grad.defined()) {
+        grad.copy_(value);
+      } else {
+        grad = value.to(slot.holder.scalar_type(), /*non_blocking=*/false, /*copy=*/true);
+      }
+    }
+  }
+
+  /// MAX-reduces a one-element inf flag, so that every rank steps or skips alike.
+  void agree(at::Tensor& found_inf) {
+    c10d::AllreduceOptions options;
+    options.reduceOp = c10d::ReduceOp::MAX;
+    std::vector<at::Tensor> tensors{found_inf};
+    detail::run_collective(rank(), "inf/NaN agreement", [&] {
+      return group().allreduce(tensors, options);
+    });
+  }
+
+  /// Whether `local` is true on any rank.
+  bool any(bool local) {
+    auto flag = at::full({1}, local ? 1.0F : 0.0F, at::kFloat).to(device());
+    agree(flag);
+    return flag.item<float>() != 0.0F;
+  }
+
+  /// `value` of every rank, in rank order (same shape and dtype on every rank).
+  std::vector<at::Tensor> all_gather(const at::Tensor& value) {
+    std::vector<std::vector<at::Tensor>> outputs(1);
+    for (int r = 0; r < world_size(); ++r) outputs[0].push_back(at::empty_like(value));
+    std::vector<at::Tensor> inputs{value.contiguous()};
+    detail::run_collective(rank(), "all_gather", [&] { return group().allgather(outputs, inputs); });
+    return outputs[0];
+  }
+
+  /// Copies rank 0's buffers to every rank (or, with `parameters`, its parameters too).
+  void broadcast_from_rank0(torch::nn::Module& model, bool parameters = false) {
+    std::vector<at::Tensor> tensors;
+    if (parameters) {
+      for (const auto& p : model.parameters()) tensors.push_back(p);
+    }
+    for (const auto& b : model.buffers()) tensors.push_back(b);
+    tensors = unique(tensors);
+    // One flat tensor per dtype: Gloo broadcasts one tensor per call.
+    std::vector<c10::ScalarType> dtypes;
+    for (const auto& t : tensors) {
+      if (std::find(dtypes.begin(), dtypes.end(), t.scalar_type()) == dtypes.end()) {
+        dtypes.push_back(t.scalar_type());
+      }
+    }
+    at::NoGradGuard no_grad;
+    for (const auto dtype : dtypes) {
+      std::vector<at::Tensor> group_tensors;
+      for (const auto& t : tensors) {
+        if (t.scalar_type() == dtype) group_tensors.push_back(t);
+      }
+      std::vector<at::Tensor> flat{flatten(group_tensors)};
+      c10d::BroadcastOptions options;
+      options.rootRank = 0;
+      detail::run_collective(rank(), "broadcast from rank 0", [&] {
+        return group().broadcast(flat, options);
+      });
+      std::int64_t offset = 0;
+      for (auto& t : group_tensors) {
+        t.copy_(flat[0].narrow(0, offset, t.numel()).view(t.sizes()));
+        offset += t.numel();
+      }
+    }
+  }
+
+ private:
+  struct Slot {
+    at::Tensor param;
+    at::Tensor holder;
+    std::size_t bucket;
+    std::int64_t offset;
+    bool ready;
+  };
+  struct Bucket {
+    std::vector<std::size_t> slots;
+    std::int64_t numel = 0;
+    at::Tensor flat;
+    std::size_t pending = 0;
+    c10::intrusive_ptr<c10d::Work> work;
+  };
+  // What the hooks reach; they hold it weakly, so a hook outliving its DataParallel (the model
+  // kept after the Trainer) does nothing.
+  struct State {
+    std::mutex mutex;
+    std::vector<Slot> slots;
+    std::vector<Bucket> buckets;
+    c10::intrusive_ptr<ProcessGroup> group;
+    c10::ScalarType reduce_dtype = at::kFloat;
+    std::size_t next = 0;  // the first bucket not launched: buckets launch in order on every rank
+    bool active = false;
+    bool overlap = true;
+    int rank = 0;
+    int world = 1;
+
+    at::Tensor view(std::size_t i) {
+      const auto& slot = slots[i];
+      return buckets[slot.bucket].flat.narrow(0, slot.offset, slot.param.numel());
+    }
+    bool has_gradient(std::size_t i) const {
+      const auto& slot = slots[i];
+      return slot.param.grad().defined() ||
+             (!slot.holder.is_same(slot.param) && slot.holder.grad().defined());
+    }
+    // The slot's gradient (the holder's accumulated one plus the parameter's) into its bucket.
+    void fill(std::size_t i) {
+      auto& slot = slots[i];
+      const auto& grad = slot.param.grad();
+      const auto& held = slot.holder.is_same(slot.param) ? at::Tensor() : slot.holder.grad();
+      MIXPREC_CHECK(!(grad.defined() && grad.is_sparse()) && !(held.defined() && held.is_sparse()),
+                    "DataParallel reduces dense gradients: a tensor of shape ", slot.param.sizes(),
+                    " has a sparse one (an Embedding with sparse(true)); use sparse(false)");
+      auto target = view(i);
+      if (!grad.defined() && !held.defined()) {
+        target.zero_();
+      } else {
+        const auto value = !held.defined() ? grad : (grad.defined() ? held + grad : held);
+        target.copy_(value.reshape({-1}));
+      }
+      if (reduce_dtype != at::kFloat) target.div_(world);
+    }
+    void launch_ready(bool include_last) {
+      while (next < buckets.size() && buckets[next].pending == 0 &&
+             (include_last || next + 1 < buckets.size())) {
+        std::vector<at::Tensor> tensors{buckets[next].flat};
+        try {
+          buckets[next].work = group->allreduce(tensors);
+        } catch (const std::exception& e) {
+          detail::fail("rank ", rank, ": launching the allreduce of gradient bucket ", next, " failed: ",
+               detail::message_of(e));
+        }
+        ++next;
+      }
+    }
+    void ready(std::size_t i) {
+      std::lock_guard<std::mutex> lock(mutex);
+      if (!active || slots[i].ready) return;
+      fill(i);
+      slots[i].ready = true;
+      // The last bucket waits for finish(), which adds the per-slot gradient flags to it.
+      if (--buckets[slots[i].bucket].pending == 0 && overlap) launch_ready(false);
+    }
+  };
+  struct Hook : torch::autograd::FunctionPostHook {
+    Hook(const std::shared_ptr<State>& state, std::size_t slot) : state_(state), slot_(slot) {}
+    torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
+                                              const torch::autograd::variable_list&) override {
+      if (auto state = state_.lock()) state->ready(slot_);
+      return outputs;
+    }
+    std::weak_ptr<State> state_;
+    std::size_t slot_;
+  };
+
+  ProcessGroup& group() { return *options_.process_group(); }
+
+  void unbind() {
+    for (std::size_t i = 0; i < accumulators_.size(); ++i) {
+      accumulators_[i]->del_post_hook(hook_keys_[i]);
+    }
+    accumulators_.clear();
+    hook_keys_.clear();
+  }
+
+  // Whether two counts are the same on every rank (one all_gather).
+  bool all_equal(std::int64_t a, std::int64_t b) {
+    const auto all = all_gather(at::tensor({a, b}, at::kLong).to(device()));
+    for (const auto& t : all) {
+      if (!t.cpu().equal(all.front().cpu())) return false;
+    }
+    return true;
+  }
+
+  void check_same_structure(const torch::nn::Module& model) {
+    const auto mine = static_cast<std::int64_t>(detail::module_fingerprint(model));
+    const auto n = static_cast<std::int64_t>(model.named_parameters().size() +
+                                             model.named_buffers().size());
+    const auto all = all_gather(at::tensor({mine, n}, at::kLong).to(device()));
+    std::vector<int> differ;
+    for (int r = 0; r < world_size(); ++r) {
+      if (!all[static_cast<std::size_t>(r)].cpu().equal(all.front().cpu())) differ.push_back(r);
+    }
+    MIXPREC_CHECK(differ.empty(), "rank ", rank(), ": the models of ranks ",
+                  at::IntArrayRef(std::vector<std::int64_t>(differ.begin(), differ.end())),
+                  " differ from rank 0's in their parameters or buffers (names, shapes, dtypes "
+                  "or requires_grad): build the same model on every rank");
+  }
+
+  static std::vector<at::Tensor> unique(const std::vector<at::Tensor>& tensors) {
+    std::unordered_set<const void*> seen;
+    std::vector<at::Tensor> result;
+    for (const auto& t : tensors) {
+      if (seen.insert(t.unsafeGetTensorImpl()).second) result.push_back(t);
+    }
+    return result;
+  }
+  static at::Tensor flatten(const std::vector<at::Tensor>& tensors) {
+    std::vector<at::Tensor> flat;
+    for (const auto& t : tensors) flat.push_back(t.detach().reshape({-1}));
+    return at::cat(flat);
+  }
+
+  DistributedOptions options_;
+  std::shared_ptr<State> state_;
+  at::Device device_ = at::Device(at::kCPU);
+  std::vector<decltype(torch::autograd::impl::grad_accumulator(at::Tensor()))> accumulators_;
+  std::vector<std::uintptr_t> hook_keys_;
+};
+
+}  // namespace mixprec

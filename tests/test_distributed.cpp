@@ -1,0 +1,635 @@
+// Data-parallel training with real processes on loopback: the doctest cases start ranks of this
+// same binary (`--rank-of CASE RANK WORLD DIR`), each over Gloo with a FileStore in DIR, and
+// check their exit codes; each rank asserts its own results and prints what failed.
+#include <mixprec/mixprec.hpp>
+#include <mixprec/process_group.hpp>
+
+#define DOCTEST_CONFIG_IMPLEMENT
+#include <doctest/doctest.h>
+#include <torch/csrc/distributed/c10d/FileStore.hpp>
+#include <torch/torch.h>
+
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cmath>
+#include <csignal>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <iostream>
+#include <map>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+extern char** environ;
+namespace mp = mixprec;
+
+namespace {
+
+// ---------------------------------------------------------------- in a rank
+
+int failures = 0;
+#define RANK_EXPECT(cond, ...)                                                             \
+  do {                                                                                     \
+    if (!(cond)) {                                                                         \
+      ++failures;                                                                          \
+      std::cerr << "rank check failed at line " << __LINE__ << ": " #cond " " << __VA_ARGS__ \
+                << "\n";                                                                   \
+    }                                                                                      \
+  } while (false)
+
+struct Rank {
+  int rank;
+  int world;
+  std::string dir;
+  c10::intrusive_ptr<mp::ProcessGroup> group;
+};
+
+// What users build: a tied weight (one Linear under two names), a frozen submodule, ReLU.
+struct NetImpl : torch::nn::Module {
+  explicit NetImpl(bool extra = false) {
+    in = register_module("in", torch::nn::Linear(8, 16));
+    frozen = register_module("frozen", torch::nn::Linear(16, 16));
+    hidden = register_module("hidden", torch::nn::Linear(16, 16));
+    register_module("hidden_tied", hidden);
+    out = register_module("out", torch::nn::Linear(16, 4));
+    if (extra) register_module("extra", torch::nn::Linear(4, 4));
+    for (auto& p : frozen->parameters()) p.requires_grad_(false);
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    x = torch::relu(in->forward(x));
+    x = frozen->forward(x);
+    x = torch::relu(hidden->forward(x));
+    x = torch::relu(hidden->forward(x));  // the tied weight, used twice
+    return out->forward(x);
+  }
+  torch::nn::Linear in{nullptr}, frozen{nullptr}, hidden{nullptr}, out{nullptr};
+};
+TORCH_MODULE(Net);
+
+// Dyadic values (multiples of 1/8 in [-1, 1]): sums of their products are exact in fp32.
+torch::Tensor dyadic(std::vector<std::int64_t> shape, torch::Generator& gen) {
+  return torch::randint(-8, 9, shape, gen, torch::kFloat) / 8.0;
+}
+
+Net dyadic_net(std::uint64_t seed, bool extra = false) {
+  torch::manual_seed(static_cast<std::int64_t>(seed));
+  Net net(extra);
+  auto gen = at::detail::createCPUGenerator(seed);
+  torch::NoGradGuard no_grad;
+  // -1/4, 0 or 1/4: through four layers, products and sums stay exact in fp32.
+  for (auto& p : net->parameters()) {
+    p.copy_(torch::randint(-1, 2, p.sizes(), gen, torch::kFloat) / 4.0);
+  }
+  return net;
+}
+
+struct Batch {
+  torch::Tensor x, y;
+};
+
+// Step k's global batch of world * per_rank rows; rank r trains rows [r*per_rank, (r+1)*per_rank).
+std::vector<Batch> batches(int steps, std::int64_t rows, int inf_step) {
+  auto gen = at::detail::createCPUGenerator(7);
+  std::vector<Batch> result;
+  for (int k = 0; k < steps; ++k) {
+    // Halves in [-1, 1]: few bits, so that the first steps' sums are exact in fp32.
+    Batch b{torch::randint(-2, 3, {rows, 8}, gen, torch::kFloat) / 2.0,
+            torch::randint(-2, 3, {rows, 4}, gen, torch::kFloat) / 2.0};
+    if (k == inf_step) b.x[rows - 1][0] = std::numeric_limits<float>::infinity();  // last rank's
+    result.push_back(b);
+  }
+  return result;
+}
+
+template <class P>
+torch::Tensor loss_of(mp::Trainer<P>& trainer, Net& net, const Batch& b) {
+  auto out = net->forward(trainer.cast_input(b.x)).to(torch::kFloat);
+  return (out - b.y).pow(2).mean();  // mse_loss by hand: 1.13 has no bf16 mse_loss on the CPU
+}
+
+struct Run {
+  std::vector<mp::StepStatus> statuses;
+  std::vector<double> scales;
+  std::vector<std::vector<torch::Tensor>> params;  // after each step: model tensors, masters
+};
+
+template <class P>
+mp::TrainerOptions options_for(int accumulation) {
+  auto options = mp::TrainerOptions().accumulation_steps(accumulation);
+  if constexpr (std::is_same_v<typename P::scaler_type, mp::GradScaler>) {
+    // Low enough that fp16 never overflows here: only the injected inf skips, on one process
+    // as on N (whose per-rank gradients differ, and could overflow where the mean does not).
+    options.scaler(mp::GradScalerOptions().init_scale(1 << 10).growth_interval(2));
+  }
+  return options;
+}
+
+// Two param groups (the hidden layer at another lr); SGD with dyadic lr and momentum.
+std::unique_ptr<torch::optim::SGD> sgd_for(Net& net) {
+  std::vector<torch::optim::OptimizerParamGroup> groups;
+  std::vector<torch::Tensor> first, second;
+  for (auto& p : net->in->parameters()) first.push_back(p);
+  for (auto& p : net->out->parameters()) first.push_back(p);
+  for (auto& p : net->hidden->parameters()) second.push_back(p);
+  groups.emplace_back(first);
+  groups.emplace_back(second, std::make_unique<torch::optim::SGDOptions>(1.0 / 32));
+  return std::make_unique<torch::optim::SGD>(groups, torch::optim::SGDOptions(1.0 / 16).momentum(0.5));
+}
+
+template <class P>
+Run train(Net net, std::optional<mp::DistributedOptions> distributed, int accumulation,
+          const std::vector<Batch>& data, std::int64_t begin, std::int64_t rows) {
+  auto optimizer = sgd_for(net);
+  auto options = options_for<P>(accumulation);
+  if (distributed) options.distributed(*distributed);
+  mp::Trainer<P> trainer(net, *optimizer, options);
+  Run run;
+  for (const auto& batch : data) {
+    mp::StepReport report;
+    // Accumulation: micro-batch m is the m-th slice of this rank's rows.
+    const auto micro = rows / accumulation;
+    for (int m = 0; m < accumulation; ++m) {
+      Batch part{batch.x.narrow(0, begin + m * micro, micro), batch.y.narrow(0, begin + m * micro, micro)};
+      report = trainer.step([&] { return loss_of(trainer, net, part); });
+    }
+    run.statuses.push_back(report.status);
+    run.scales.push_back(report.scale);
+    std::vector<torch::Tensor> values;
+    for (const auto& p : net->parameters()) values.push_back(p.detach().clone());
+    for (const auto& m : trainer.master_weights()) values.push_back(m.detach().clone());
+    run.params.push_back(values);
+  }
+  return run;
+}
+
+// How many leading steps left every tensor bitwise equal.
+std::size_t equal_steps(const Run& a, const Run& b) {
+  std::size_t k = 0;
+  for (; k < a.params.size(); ++k) {
+    for (std::size_t i = 0; i < a.params[k].size(); ++i) {
+      if (!torch::equal(a.params[k][i], b.params[k][i])) return k;
+    }
+  }
+  return k;
+}
+
+// The largest |a - b| / (|b| + 2^-6) over all tensors of all steps.
+double max_difference(const Run& a, const Run& b) {
+  double worst = 0;
+  for (std::size_t k = 0; k < a.params.size(); ++k) {
+    for (std::size_t i = 0; i < a.params[k].size(); ++i) {
+      const auto x = a.params[k][i].to(torch::kDouble), y = b.params[k][i].to(torch::kDouble);
+      worst = std::max(worst, ((x - y).abs() / (y.abs() + 1.0 / 64)).max().item<double>());
+    }
+  }
+  return worst;
+}
+
+// Whether every rank holds the same values, bit for bit.
+bool same_on_every_rank(Rank& r, const std::vector<torch::Tensor>& tensors) {
+  bool same = true;
+  for (const auto& t : tensors) {
+    std::vector<std::vector<torch::Tensor>> out(1);
+    for (int k = 0; k < r.world; ++k) out[0].push_back(torch::empty_like(t));
+    std::vector<torch::Tensor> in{t.detach().contiguous()};
+    r.group->allgather(out, in)->wait();
+    for (const auto& other : out[0]) same = same && torch::equal(other, t);
+  }
+  return same;
+}
+
+// N ranks x batch B against one process x batch N*B, on the same data and weights (rank 0's:
+// the ranks start from different seeds, so the construction's broadcast is tested too). One
+// input of the last rank is inf at step 3: every rank must skip it, as the one process does.
+template <class P>
+void equivalence(Rank& r, int accumulation, c10::ScalarType reduce_dtype, double tolerance,
+                 std::size_t bitwise_steps = 0) {
+  const int steps = 6;
+  const std::int64_t per_rank = 4 * accumulation;
+  const auto data = batches(steps, per_rank * r.world, /*inf_step=*/3);
+  const auto single = train<P>(dyadic_net(1000), std::nullopt, accumulation, data, 0,
+                               per_rank * r.world);
+  auto options = mp::DistributedOptions(r.group).reduce_dtype(reduce_dtype).first_bucket_cap_mb(0.0005);
+  const auto dist = train<P>(dyadic_net(1000 + r.rank), options, accumulation, data,
+                             r.rank * per_rank, per_rank);
+  RANK_EXPECT(dist.statuses == single.statuses, P::name);
+  RANK_EXPECT(dist.statuses[3] == mp::StepStatus::skipped, P::name);
+  RANK_EXPECT(dist.scales == single.scales, P::name);
+  const double difference = max_difference(dist, single);
+  std::cerr << "rank " << r.rank << " " << P::name << " x" << r.world << " accumulation "
+            << accumulation << " reduce " << reduce_dtype << ": max relative difference "
+            << difference << " (tolerance " << tolerance << ")\n";
+  RANK_EXPECT(difference <= tolerance, P::name << " " << difference);
+  const auto exact = equal_steps(dist, single);
+  std::cerr << "rank " << r.rank << " " << P::name << ": the first " << exact << " steps bitwise equal\n";
+  RANK_EXPECT(exact >= bitwise_steps, P::name << ": " << exact << " bitwise equal steps");
+  RANK_EXPECT(same_on_every_rank(r, dist.params.back()), P::name << ": ranks differ");
+}
+
+void case_equivalence(Rank& r, int accumulation) {
+  // fp32 over 2 ranks: the same sums in another grouping, exact while the values are dyadic
+  // with few bits, so the first step is bitwise equal; once the updated weights fill their
+  // mantissas the groupings round differently (measured: about 1e-7 relative after 6 steps).
+  // Over 3 ranks a mean of means of 4 rows is not the mean of 12 in fp32 even on dyadic data.
+  // Where gradients round to 16 bits on each rank before the sum, they differ by that rounding
+  // (measured: at most 0.016 for bf16, 0.001 for fp16).
+  equivalence<mp::FullPrecision>(r, accumulation, at::kFloat, 1e-6,
+                                 r.world == 2 && accumulation == 1 ? 1 : 0);
+  equivalence<mp::MixedO1<at::BFloat16>>(r, accumulation, at::kFloat, 0.05);
+  equivalence<mp::MixedO2<at::BFloat16>>(r, accumulation, at::kFloat, 0.05);
+  equivalence<mp::PureHalf<at::BFloat16>>(r, accumulation, at::kFloat, 0.05);
+  equivalence<mp::MixedO2<at::BFloat16>>(r, accumulation, at::kHalf, 0.05);
+  if constexpr (mp::detail::cpu_half_math) {
+    equivalence<mp::MixedO1<at::Half>>(r, accumulation, at::kFloat, 0.01);
+    equivalence<mp::MixedO2<at::Half>>(r, accumulation, at::kFloat, 0.01);
+    equivalence<mp::PureHalf<at::Half>>(r, accumulation, at::kFloat, 0.01);
+  }
+}
+
+// A NaN loss on one rank only, with finite gradients everywhere: every rank skips.
+void case_local_nan(Rank& r) {
+  auto net = dyadic_net(3);
+  auto optimizer = sgd_for(net);
+  mp::Trainer<mp::MixedO2<at::BFloat16>> trainer(
+      net, *optimizer, mp::TrainerOptions().distributed(mp::DistributedOptions(r.group)));
+  auto gen = at::detail::createCPUGenerator(5);
+  for (int k = 0; k < 4; ++k) {
+    Batch b{dyadic({4, 8}, gen), dyadic({4, 4}, gen)};
+    const auto report = trainer.step([&] {
+      auto loss = loss_of(trainer, net, b);
+      // NaN in value, finite in gradient: the loss check alone sees it.
+      if (k == 2 && r.rank == 0) loss = loss + torch::full({}, NAN);
+      return loss;
+    });
+    RANK_EXPECT((report.status == mp::StepStatus::skipped) == (k == 2), "step " << k);
+  }
+  RANK_EXPECT(trainer.stats().skipped_steps == 1, "");
+}
+
+// Real overflows, on some ranks and not others: bf16 gradients times 2^127 overflow where the
+// rank's values are large. Every rank takes the same decisions and keeps the same scale.
+struct ScaledO2 : mp::MixedO2<at::BFloat16> {
+  static constexpr std::string_view name = "ScaledO2";
+  using scaler_type = mp::GradScaler;
+};
+
+void case_overflow(Rank& r) {
+  auto net = dyadic_net(3);
+  auto optimizer = sgd_for(net);
+  mp::Trainer<ScaledO2> trainer(
+      net, *optimizer,
+      mp::TrainerOptions()
+          .scaler(mp::GradScalerOptions().init_scale(std::ldexp(1.0, 127)).growth_interval(3))
+          .distributed(mp::DistributedOptions(r.group)));
+  auto gen = at::detail::createCPUGenerator(5 + r.rank);  // each rank its own data
+  std::vector<double> history;
+  for (int k = 0; k < 12; ++k) {
+    // Rank r's inputs grow with r: its gradients overflow at scales the others survive.
+    Batch b{dyadic({4, 8}, gen) * std::ldexp(1.0, 4 * r.rank), dyadic({4, 4}, gen)};
+    const auto report = trainer.step([&] { return loss_of(trainer, net, b); });
+    history.push_back(report.stepped() ? 1.0 : 0.0);
+    history.push_back(report.scale);
+  }
+  const auto stats = trainer.stats();
+  std::cerr << "rank " << r.rank << ": " << stats.skipped_steps << " of " << stats.steps
+            << " steps skipped, scale " << stats.scale << "\n";
+  RANK_EXPECT(stats.skipped_steps >= 2 && stats.skipped_steps < stats.steps, stats.skipped_steps);
+  RANK_EXPECT(same_on_every_rank(r, {torch::tensor(history, torch::kDouble)}), "decisions differ");
+  RANK_EXPECT(same_on_every_rank(r, net->parameters()), "parameters differ");
+  RANK_EXPECT(same_on_every_rank(r, trainer.master_weights()), "masters differ");
+}
+
+// A parameter used on some ranks only: reduced as zeros where unused, identical everywhere.
+struct BranchyImpl : torch::nn::Module {
+  BranchyImpl() {
+    a = register_module("a", torch::nn::Linear(8, 4));
+    b = register_module("b", torch::nn::Linear(8, 4));
+    never = register_module("never", torch::nn::Linear(8, 4));
+  }
+  torch::nn::Linear a{nullptr}, b{nullptr}, never{nullptr};
+};
+TORCH_MODULE(Branchy);
+
+void case_unused(Rank& r) {
+  torch::manual_seed(11);
+  Branchy net;
+  torch::optim::SGD optimizer(net->parameters(), torch::optim::SGDOptions(0.1));
+  mp::Trainer<mp::FullPrecision> trainer(
+      net, optimizer, mp::TrainerOptions().distributed(mp::DistributedOptions(r.group)));
+  const auto b_before = net->b->weight.detach().clone();
+  auto gen = at::detail::createCPUGenerator(5);
+  for (int k = 0; k < 3; ++k) {
+    auto x = dyadic({4, 8}, gen);
+    trainer.step([&] {
+      auto out = net->a->forward(x);
+      if (r.rank == 0) out = out + net->b->forward(x);  // b: rank 0 only
+      return out.pow(2).mean();
+    });
+  }
+  RANK_EXPECT(!torch::equal(net->b->weight, b_before), "b was trained");
+  RANK_EXPECT(!net->never->weight.grad().defined(), "a tensor unused everywhere keeps no gradient");
+  RANK_EXPECT(same_on_every_rank(r, net->parameters()), "ranks differ");
+}
+
+void case_mismatch(Rank& r) {
+  auto net = dyadic_net(1, /*extra=*/r.rank == 1);
+  auto optimizer = sgd_for(net);
+  try {
+    mp::Trainer<mp::FullPrecision> trainer(
+        net, *optimizer, mp::TrainerOptions().distributed(mp::DistributedOptions(r.group)));
+    RANK_EXPECT(false, "no Error for models that differ");
+  } catch (const mp::Error& e) {
+    const std::string message = e.what();
+    RANK_EXPECT(message.find("ranks [1] differ from rank 0's") != std::string::npos, message);
+  }
+}
+
+// Rank world-1 dies at step 3; the others must throw mixprec::Error soon, not hang.
+void case_kill(Rank& r) {
+  auto net = dyadic_net(1);
+  auto optimizer = sgd_for(net);
+  mp::Trainer<mp::FullPrecision> trainer(
+      net, *optimizer, mp::TrainerOptions().distributed(mp::DistributedOptions(r.group)));
+  auto gen = at::detail::createCPUGenerator(5);
+  const auto start = std::chrono::steady_clock::now();
+  try {
+    for (int k = 0; k < 100; ++k) {
+      if (k == 3 && r.rank == r.world - 1) std::raise(SIGKILL);
+      Batch b{dyadic({4, 8}, gen), dyadic({4, 4}, gen)};
+      trainer.step([&] { return loss_of(trainer, net, b); });
+    }
+    RANK_EXPECT(false, "no Error after a peer died");
+  } catch (const mp::Error& e) {
+    const auto seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    std::cerr << "rank " << r.rank << " after " << seconds << " s: " << e.what() << "\n";
+    RANK_EXPECT(std::string(e.what()).find("across ranks failed") != std::string::npos, e.what());
+  }
+}
+
+// A run saved at step 3 and resumed by fresh objects equals the uninterrupted run bitwise:
+// parameters, masters, optimizer state, scale, counters; dropout draws from each rank's RNG.
+void case_resume(Rank& r) {
+  using P = mp::MixedO2<at::Half>;
+  using Q = mp::MixedO2<at::BFloat16>;
+  using Policy = std::conditional_t<mp::detail::cpu_half_math, P, Q>;
+  const auto data = batches(6, 4 * r.world, /*inf_step=*/2);
+  const auto path = r.dir + "/resume.ckpt";
+  auto make = [&](Net& net, std::unique_ptr<torch::optim::SGD>& optimizer) {
+    net = dyadic_net(1000);
+    optimizer = sgd_for(net);
+    auto options = options_for<Policy>(1).distributed(mp::DistributedOptions(r.group));
+    return std::make_unique<mp::Trainer<Policy>>(net, *optimizer, options);
+  };
+  auto step = [&](mp::Trainer<Policy>& trainer, Net& net, const Batch& b) {
+    Batch part{b.x.narrow(0, 4 * r.rank, 4), b.y.narrow(0, 4 * r.rank, 4)};
+    trainer.step([&] {
+      auto out = net->forward(trainer.cast_input(part.x)).to(torch::kFloat);
+      out = torch::dropout(out, 0.25, /*train=*/true);
+      return (out - part.y).pow(2).mean();
+    });
+  };
+  torch::manual_seed(100 + r.rank);
+  Net a{nullptr};
+  std::unique_ptr<torch::optim::SGD> oa;
+  auto ta = make(a, oa);
+  for (const auto& b : data) step(*ta, a, b);
+  const auto rng_after_a = at::detail::getDefaultCPUGenerator().get_state();
+
+  torch::manual_seed(100 + r.rank);
+  Net b{nullptr};
+  std::unique_ptr<torch::optim::SGD> ob;
+  auto tb = make(b, ob);
+  for (int k = 0; k < 3; ++k) step(*tb, b, data[k]);
+  tb->save(path);
+  torch::manual_seed(999);  // the resumed run must take its RNG from the checkpoint
+  Net c{nullptr};
+  std::unique_ptr<torch::optim::SGD> oc;
+  tb.reset();
+  auto tc = make(c, oc);
+  tc->load(path);
+  for (int k = 3; k < 6; ++k) step(*tc, c, data[k]);
+
+  const auto pa = a->parameters(), pc = c->parameters();
+  for (std::size_t i = 0; i < pa.size(); ++i) RANK_EXPECT(torch::equal(pa[i], pc[i]), "param " << i);
+  const auto ma = ta->master_weights(), mc = tc->master_weights();
+  for (std::size_t i = 0; i < ma.size(); ++i) RANK_EXPECT(torch::equal(ma[i], mc[i]), "master " << i);
+  const auto sa = ta->stats(), sc = tc->stats();
+  RANK_EXPECT(sa.steps == 6 && sc.steps == 6 && sa.skipped_steps == sc.skipped_steps &&
+                  sa.skipped_steps >= 1 && sa.micro_batches == sc.micro_batches &&
+                  sa.scale == sc.scale,
+              "counters " << sa.steps << " " << sc.steps << " " << sa.skipped_steps << " "
+                          << sc.skipped_steps << " " << sa.scale << " " << sc.scale);
+  // The momentum buffers, tensor by tensor.
+  auto momenta = [](torch::optim::SGD& optimizer) {
+    std::vector<torch::Tensor> result;
+    auto& states = optimizer.state();
+    for (const auto& group : optimizer.param_groups()) {
+      for (const auto& p : group.params()) {
+        const auto& state = states.at(mp::detail::state_key<decltype(states)>(p));
+        result.push_back(static_cast<torch::optim::SGDParamState&>(*state).momentum_buffer());
+      }
+    }
+    return result;
+  };
+  const auto ba = momenta(*oa), bc = momenta(*oc);
+  RANK_EXPECT(ba.size() == bc.size() && !ba.empty(), "momentum buffers");
+  for (std::size_t i = 0; i < ba.size() && i < bc.size(); ++i) {
+    RANK_EXPECT(torch::equal(ba[i], bc[i]), "momentum " << i);
+  }
+  // The RNG continues where the uninterrupted run's does (both processes drew the same since).
+  RANK_EXPECT(torch::equal(at::detail::getDefaultCPUGenerator().get_state(), rng_after_a), "RNG");
+}
+
+// BatchNorm's running statistics follow rank 0's, as DDP's broadcast_buffers does.
+void case_buffers(Rank& r) {
+  torch::manual_seed(1);
+  torch::nn::Sequential net(torch::nn::Linear(8, 8), torch::nn::BatchNorm1d(8), torch::nn::Linear(8, 4));
+  torch::optim::SGD optimizer(net->parameters(), torch::optim::SGDOptions(0.1));
+  mp::Trainer<mp::MixedO2<at::BFloat16>> trainer(
+      net, optimizer, mp::TrainerOptions().distributed(mp::DistributedOptions(r.group)));
+  auto gen = at::detail::createCPUGenerator(20 + r.rank);  // each rank its own data
+  for (int k = 0; k < 3; ++k) {
+    auto x = dyadic({4, 8}, gen);
+    trainer.step([&] { return net->forward(trainer.cast_input(x)).to(torch::kFloat).pow(2).mean(); });
+  }
+  // The ranks' statistics differ now (their data did). The next forward starts from rank 0's:
+  // with the same batch on every rank, they end up identical.
+  std::vector<torch::Tensor> floating;
+  for (const auto& t : net->buffers()) {
+    if (t.is_floating_point()) floating.push_back(t);
+  }
+  RANK_EXPECT(!same_on_every_rank(r, floating), "the ranks' own statistics should differ");
+  auto common = at::detail::createCPUGenerator(99);
+  auto x = dyadic({4, 8}, common);
+  trainer.step([&] { return net->forward(trainer.cast_input(x)).to(torch::kFloat).pow(2).mean(); });
+  RANK_EXPECT(same_on_every_rank(r, net->buffers()), "buffers differ across ranks");
+  RANK_EXPECT(same_on_every_rank(r, net->parameters()), "parameters differ across ranks");
+}
+
+int run_rank(const std::string& name, int rank, int world, const std::string& dir) {
+  Rank r{rank, world, dir, {}};
+  auto store = c10::make_intrusive<c10d::FileStore>(dir + "/store", world);
+  r.group = mp::gloo_group(store, rank, world, std::chrono::seconds(30));
+  const std::map<std::string, std::function<void(Rank&)>> cases{
+      {"equivalence", [](Rank& x) { case_equivalence(x, 1); }},
+      {"accumulation", [](Rank& x) { case_equivalence(x, 2); }},
+      {"local_nan", case_local_nan},
+      {"overflow", case_overflow},
+      {"unused", case_unused},
+      {"mismatch", case_mismatch},
+      {"kill", case_kill},
+      {"resume", case_resume},
+      {"buffers", case_buffers},
+  };
+  try {
+    cases.at(name)(r);
+  } catch (const std::exception& e) {
+    std::cerr << "rank " << rank << ": unexpected exception: " << e.what() << "\n";
+    return 2;
+  }
+  return failures == 0 ? 0 : 1;
+}
+
+// ---------------------------------------------------------------- in the parent
+
+std::string self_path;
+
+struct Outcome {
+  int status = -1;  // waitpid status; -1: killed by the parent at the deadline
+  bool hung = false;
+  std::string log;
+};
+
+// Starts `world` ranks of case `name`; kills them all at the deadline.
+std::vector<Outcome> run_ranks(const std::string& name, int world,
+                               std::chrono::seconds deadline = std::chrono::seconds(240)) {
+  static int counter = 0;
+  const auto dir = std::filesystem::path(MIXPREC_TEST_TMPDIR) /
+                   ("distributed_" + name + "_" + std::to_string(world) + "_" +
+                    std::to_string(::getpid()) + "_" + std::to_string(counter++));
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  std::vector<pid_t> pids;
+  for (int rank = 0; rank < world; ++rank) {
+    const auto log = (dir / ("rank" + std::to_string(rank) + ".log")).string();
+    posix_spawn_file_actions_t actions;
+    posix_spawn_file_actions_init(&actions);
+    posix_spawn_file_actions_addopen(&actions, 2, log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    posix_spawn_file_actions_adddup2(&actions, 2, 1);
+    std::vector<std::string> args{self_path, "--rank-of", name, std::to_string(rank),
+                                  std::to_string(world), dir.string()};
+    std::vector<char*> argv;
+    for (auto& a : args) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    pid_t pid = 0;
+    REQUIRE(posix_spawn(&pid, self_path.c_str(), &actions, nullptr, argv.data(), environ) == 0);
+    posix_spawn_file_actions_destroy(&actions);
+    pids.push_back(pid);
+  }
+  std::vector<Outcome> outcomes(static_cast<std::size_t>(world));
+  const auto end = std::chrono::steady_clock::now() + deadline;
+  std::size_t left = pids.size();
+  while (left > 0) {
+    for (std::size_t i = 0; i < pids.size(); ++i) {
+      if (pids[i] == 0) continue;
+      int status = 0;
+      if (::waitpid(pids[i], &status, WNOHANG) == pids[i]) {
+        outcomes[i].status = status;
+        pids[i] = 0;
+        --left;
+      }
+    }
+    if (left > 0 && std::chrono::steady_clock::now() > end) {
+      for (std::size_t i = 0; i < pids.size(); ++i) {
+        if (pids[i] == 0) continue;
+        ::kill(pids[i], SIGKILL);
+        ::waitpid(pids[i], nullptr, 0);
+        outcomes[i].hung = true;
+        pids[i] = 0;
+      }
+      left = 0;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  for (int rank = 0; rank < world; ++rank) {
+    std::ifstream in(dir / ("rank" + std::to_string(rank) + ".log"));
+    std::stringstream text;
+    text << in.rdbuf();
+    outcomes[static_cast<std::size_t>(rank)].log = text.str();
+  }
+  return outcomes;
+}
+
+void require_all_passed(const std::vector<Outcome>& outcomes) {
+  for (std::size_t r = 0; r < outcomes.size(); ++r) {
+    INFO("rank ", r, " log:\n", outcomes[r].log);
+    CHECK_FALSE(outcomes[r].hung);
+    CHECK((WIFEXITED(outcomes[r].status) && WEXITSTATUS(outcomes[r].status) == 0));
+  }
+}
+
+}  // namespace
+
+TEST_CASE("distributed: N ranks x batch B train as 1 process x batch N*B, for every policy") {
+  for (int world : {2, 3}) {
+    CAPTURE(world);
+    require_all_passed(run_ranks("equivalence", world));
+  }
+}
+
+TEST_CASE("distributed: with accumulation, gradients travel on the last micro-batch only") {
+  require_all_passed(run_ranks("accumulation", 2));
+}
+
+TEST_CASE("distributed: a NaN loss on one rank skips the step on every rank") {
+  require_all_passed(run_ranks("local_nan", 2));
+}
+
+TEST_CASE("distributed: overflow on some ranks only: every rank skips, the scales stay identical") {
+  require_all_passed(run_ranks("overflow", 3));
+}
+
+TEST_CASE("distributed: a parameter unused on some ranks is reduced as zeros; unused everywhere, untouched") {
+  require_all_passed(run_ranks("unused", 3));
+}
+
+TEST_CASE("distributed: models that differ across ranks are an Error on every rank") {
+  require_all_passed(run_ranks("mismatch", 2));
+}
+
+TEST_CASE("distributed: a resumed 2-process run equals the uninterrupted one bitwise") {
+  require_all_passed(run_ranks("resume", 2));
+}
+
+TEST_CASE("distributed: BatchNorm buffers follow rank 0's, parameters agree bitwise") {
+  require_all_passed(run_ranks("buffers", 2));
+}
+
+TEST_CASE("distributed: a rank killed mid-run makes the others throw mixprec::Error, not hang") {
+  const auto start = std::chrono::steady_clock::now();
+  const auto outcomes = run_ranks("kill", 3, std::chrono::seconds(120));
+  const auto seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  for (std::size_t r = 0; r + 1 < outcomes.size(); ++r) {
+    INFO("rank ", r, " log:\n", outcomes[r].log);
+    CHECK_FALSE(outcomes[r].hung);
+    CHECK((WIFEXITED(outcomes[r].status) && WEXITSTATUS(outcomes[r].status) == 0));
+  }
+  CHECK((WIFSIGNALED(outcomes.back().status) && WTERMSIG(outcomes.back().status) == SIGKILL));
+  CHECK(seconds < 60);  // the survivors' bound is the group's 30 s timeout at most
+}
+
+int main(int argc, char** argv) {
+  self_path = std::filesystem::canonical("/proc/self/exe").string();
+  if (argc == 6 && std::string(argv[1]) == "--rank-of") {
+    return run_rank(argv[2], std::stoi(argv[3]), std::stoi(argv[4]), argv[5]);
+  }
+  doctest::Context context(argc, argv);
+  return context.run();
+}
