@@ -19,7 +19,7 @@ export CCACHE_SLOPPINESS="${CCACHE_SLOPPINESS:-pch_defines,time_macros,include_f
 
 # Everything the build, the tests, the examples and the demo use. Debian's libtorch-dev and
 # python3-torch are the `system` LibTorch and its Python; the wheel needs python3-venv.
-MIXPREC_PACKAGES=(cmake ninja-build g++ ccache libtorch-dev doctest-dev python3-torch python3-venv
+MIXPREC_PACKAGES=(cmake ninja-build g++ ccache libtorch-dev doctest-dev python3-torch python3-venv libgloo-dev
                   zlib1g-dev dataset-fashion-mnist)
 
 # The LibTorch the scripts build against, chosen by MIXPREC_LIBTORCH:
