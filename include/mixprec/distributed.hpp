@@ -299,11 +299,25 @@ class DataParallel {
 
   /// `value` of every rank, in rank order (same shape and dtype on every rank).
   std::vector<at::Tensor> all_gather(const at::Tensor& value) {
+    const auto bits = as_bits(value.contiguous());
     std::vector<std::vector<at::Tensor>> outputs(1);
-    for (int r = 0; r < world_size(); ++r) outputs[0].push_back(at::empty_like(value));
-    std::vector<at::Tensor> inputs{value.contiguous()};
+    for (int r = 0; r < world_size(); ++r) outputs[0].push_back(at::empty_like(bits));
+    std::vector<at::Tensor> inputs{bits};
     detail::run_collective(rank(), "all_gather", [&] { return group().allgather(outputs, inputs); });
+    for (auto& t : outputs[0]) t = from_bits(t, value);
     return outputs[0];
+  }
+
+  /// A copy is a copy of bits: 16-bit floats travel as bytes, which every backend takes
+  /// (LibTorch 1.13's Gloo refuses bf16, and int16).
+  static at::Tensor as_bits(const at::Tensor& t) {
+    const auto dtype = t.scalar_type();
+    return dtype == at::kBFloat16 || dtype == at::kHalf ? t.reshape({-1}).view(at::kByte) : t;
+  }
+  /// The inverse of as_bits, to the dtype and shape of `like`.
+  static at::Tensor from_bits(const at::Tensor& bits, const at::Tensor& like) {
+    return bits.scalar_type() == like.scalar_type() ? bits
+                                                    : bits.view(like.scalar_type()).view(like.sizes());
   }
 
   /// Copies rank 0's buffers to every rank (or, with `parameters`, its parameters too).
@@ -327,7 +341,8 @@ class DataParallel {
       for (const auto& t : tensors) {
         if (t.scalar_type() == dtype) group_tensors.push_back(t);
       }
-      std::vector<at::Tensor> flat{flatten(group_tensors)};
+      const auto flat_like = flatten(group_tensors);
+      std::vector<at::Tensor> flat{as_bits(flat_like)};
       c10d::BroadcastOptions options;
       options.rootRank = 0;
       detail::run_collective(rank(), "broadcast from rank 0", [&] {
@@ -335,7 +350,7 @@ class DataParallel {
       });
       std::int64_t offset = 0;
       for (auto& t : group_tensors) {
-        t.copy_(flat[0].narrow(0, offset, t.numel()).view(t.sizes()));
+        t.copy_(from_bits(flat[0], flat_like).narrow(0, offset, t.numel()).view(t.sizes()));
         offset += t.numel();
       }
     }
