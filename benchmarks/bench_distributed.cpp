@@ -84,7 +84,7 @@ int run_rank(int rank, const std::string& dir, const bench::Options& options) {
   const std::int64_t batch = 32;
   std::ostringstream out;
 
-  out << "## Data parallel: gradient averaging over Gloo, 2 processes on loopback\n\n"
+  out << "## bench_distributed: data parallel over Gloo, 2 processes on loopback\n\n"
       << "Per optimizer step, FullPrecision, SGD, batch " << batch << " per rank, one thread per "
       << "rank. *overhead* = step time with `TrainerOptions::distributed` minus the same step "
       << "without it, both measured in the 2 processes at once (interleaved, medians of "
@@ -170,10 +170,11 @@ int run_rank(int rank, const std::string& dir, const bench::Options& options) {
           << "| processes | step ms | samples/s |\n|---|---:|---:|\n| 1 | " << fixed(t1, 3)
           << " | " << fixed(batch * 1000.0 / t1, 0) << " |\n| 2 | " << fixed(t2, 3) << " | "
           << fixed(2 * batch * 1000.0 / t2, 0) << " |\n\nthroughput ratio, 2 processes / 1: "
-          << fixed(2 * t1 / t2, 2) << " (at most 2 on this machine's 2 cores, which the "
-          << "processes share with Gloo's threads)\n";
+          << fixed(2 * t1 / t2, 2) << " (bounded by the cores: at most 2 on a 2-core machine, "
+          << "whose cores the 2 processes share with Gloo's threads)\n";
     }
   }
+  out << "\nCommand: `./build/default/benchmarks/bench_distributed` (it starts its 2 ranks)\n";
   if (rank == 0) std::cout << out.str();
   return 0;
 }

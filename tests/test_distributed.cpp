@@ -4,6 +4,8 @@
 #include <mixprec/mixprec.hpp>
 #include <mixprec/process_group.hpp>
 
+#include "support.hpp"
+
 #define DOCTEST_CONFIG_IMPLEMENT
 #include <doctest/doctest.h>
 #include <torch/csrc/distributed/c10d/FileStore.hpp>
@@ -29,6 +31,8 @@
 
 extern char** environ;
 namespace mp = mixprec;
+using test::identical;
+using test::snapshot;
 
 namespace {
 
@@ -628,6 +632,160 @@ TEST_CASE("distributed: a rank killed mid-run makes the others throw mixprec::Er
   }
   CHECK((WIFSIGNALED(outcomes.back().status) && WTERMSIG(outcomes.back().status) == SIGKILL));
   CHECK(seconds < 60);  // the survivors' bound is the group's 30 s timeout at most
+}
+
+// ---------------------------------------------------------------- one process, bad input
+
+namespace {
+
+// A group of one rank, in this process.
+c10::intrusive_ptr<mp::ProcessGroup> solo_group() {
+  static int counter = 0;
+  const auto dir = std::filesystem::path(MIXPREC_TEST_TMPDIR) /
+                   ("solo_" + std::to_string(::getpid()) + "_" + std::to_string(counter++));
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  auto store = c10::make_intrusive<c10d::FileStore>((dir / "store").string(), 1);
+  return mp::gloo_group(store, 0, 1, std::chrono::seconds(30));
+}
+
+// Sets environment variables for one scope, and clears the launch variables it does not set.
+struct LaunchVariables {
+  explicit LaunchVariables(const std::map<std::string, std::string>& values) {
+    clear();
+    for (const auto& [name, value] : values) ::setenv(name.c_str(), value.c_str(), 1);
+  }
+  ~LaunchVariables() { clear(); }
+  static void clear() {
+    for (const char* name : {"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
+                             "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_RESTART_COUNT"}) {
+      ::unsetenv(name);
+    }
+  }
+};
+
+}  // namespace
+
+TEST_CASE("distributed: bad DistributedOptions are an Error before the model changes") {
+  auto net = dyadic_net(1);
+  const auto before = snapshot(net->parameters());
+  auto optimizer = sgd_for(net);
+  auto group = solo_group();
+  SUBCASE("a null process group") {
+    CHECK_THROWS_WITH_AS(mp::Trainer<mp::FullPrecision>(net, *optimizer,
+                             mp::TrainerOptions().distributed(mp::DistributedOptions({}))),
+                         doctest::Contains("null process group"), mp::Error);
+  }
+  SUBCASE("a reduce dtype that is not fp32, bf16 or fp16") {
+    CHECK_THROWS_WITH_AS(mp::Trainer<mp::FullPrecision>(net, *optimizer,
+                             mp::TrainerOptions().distributed(
+                                 mp::DistributedOptions(group).reduce_dtype(at::kDouble))),
+                         doctest::Contains("reduce_dtype must be kFloat, kBFloat16 or kHalf"),
+                         mp::Error);
+  }
+  SUBCASE("a negative bucket size") {
+    CHECK_THROWS_WITH_AS(mp::Trainer<mp::FullPrecision>(net, *optimizer,
+                             mp::TrainerOptions().distributed(
+                                 mp::DistributedOptions(group).bucket_cap_mb(-1))),
+                         doctest::Contains("bucket sizes must be >= 0 MiB"), mp::Error);
+  }
+#if TORCH_VERSION_MAJOR < 2
+  SUBCASE("bf16 reduction on 1.13's Gloo") {
+    CHECK_THROWS_WITH_AS(mp::Trainer<mp::FullPrecision>(net, *optimizer,
+                             mp::TrainerOptions().distributed(
+                                 mp::DistributedOptions(group).reduce_dtype(at::kBFloat16))),
+                         doctest::Contains("Gloo backend cannot reduce bf16"), mp::Error);
+  }
+#endif
+  CHECK(identical(net->parameters(), before));
+  CHECK(optimizer->state().empty());
+  // Nothing is held: the model trains under a new Trainer.
+  mp::Trainer<mp::FullPrecision> trainer(
+      net, *optimizer, mp::TrainerOptions().distributed(mp::DistributedOptions(group)));
+  auto gen = at::detail::createCPUGenerator(1);
+  Batch b{dyadic({4, 8}, gen), dyadic({4, 4}, gen)};
+  CHECK(trainer.step([&] { return loss_of(trainer, net, b); }).stepped());
+}
+
+TEST_CASE("distributed: DataParallel refuses a gradient that arrives twice in one step") {
+  // The Trainer runs one backward pass per step; a loop of one's own might run two.
+  auto net = dyadic_net(1);
+  mp::DataParallel parallel(*net, mp::DistributedOptions(solo_group()));
+  std::vector<torch::Tensor> params;
+  for (const auto& p : net->parameters()) {
+    if (p.requires_grad()) params.push_back(p);
+  }
+  params = mp::detail::unique_tensors(params);
+  parallel.bind(params, params);
+  auto gen = at::detail::createCPUGenerator(1);
+  const auto x = dyadic({4, 8}, gen);
+  parallel.prepare(true);
+  auto loss = net->forward(x).pow(2).mean();
+  loss.backward({}, /*retain_graph=*/true);
+  loss.backward();
+  CHECK_THROWS_WITH_AS(parallel.finish(),
+                       doctest::Contains("accumulated again after its bucket had been copied"),
+                       mp::Error);
+  // One backward pass per prepare() is fine, and the average of one rank is the gradient.
+  for (auto& p : params) p.mutable_grad() = torch::Tensor();
+  parallel.prepare(true);
+  net->forward(x).pow(2).mean().backward();
+  const auto expected = snapshot(params);  // not the gradients: snapshot copies values
+  std::vector<torch::Tensor> local;
+  for (const auto& p : params) local.push_back(p.grad().clone());
+  parallel.finish();
+  for (std::size_t i = 0; i < params.size(); ++i) CHECK(torch::equal(params[i].grad(), local[i]));
+  CHECK(identical(params, expected));
+}
+
+TEST_CASE("distributed: a sparse gradient is an Error") {
+  torch::manual_seed(1);
+  torch::nn::Embedding embedding(torch::nn::EmbeddingOptions(10, 4).sparse(true));
+  torch::optim::SGD optimizer(embedding->parameters(), torch::optim::SGDOptions(0.1));
+  mp::Trainer<mp::FullPrecision> trainer(
+      embedding, optimizer, mp::TrainerOptions().distributed(mp::DistributedOptions(solo_group())));
+  const auto before = snapshot(embedding->parameters());
+  CHECK_THROWS_WITH_AS(trainer.step([&] {
+                         return embedding->forward(torch::tensor({1, 2}, torch::kLong)).sum();
+                       }),
+                       doctest::Contains("DataParallel reduces dense gradients"), mp::Error);
+  CHECK(identical(embedding->parameters(), before));
+}
+
+TEST_CASE("distributed: LaunchEnvironment reads torchrun's variables, and names a bad one") {
+  {
+    LaunchVariables env({});
+    const auto solo = mp::LaunchEnvironment::from_env();
+    CHECK(solo.rank == 0);
+    CHECK(solo.world_size == 1);
+  }
+  {
+    LaunchVariables env({{"RANK", "2"}, {"WORLD_SIZE", "4"}, {"LOCAL_RANK", "0"},
+                         {"MASTER_ADDR", "node7"}, {"MASTER_PORT", "29400"},
+                         {"TORCHELASTIC_USE_AGENT_STORE", "True"},
+                         {"TORCHELASTIC_RESTART_COUNT", "3"}});
+    const auto e = mp::LaunchEnvironment::from_env();
+    CHECK(e.rank == 2);
+    CHECK(e.world_size == 4);
+    CHECK(e.master_addr == "node7");
+    CHECK(e.master_port == 29400);
+    CHECK(e.agent_store);
+    CHECK(e.restart_count == 3);
+  }
+  const std::vector<std::pair<std::map<std::string, std::string>, std::string>> bad{
+      {{{"RANK", "0"}}, "sets RANK but not WORLD_SIZE"},
+      {{{"RANK", "x"}, {"WORLD_SIZE", "2"}}, "RANK='x' is not an integer in [0, 1]"},
+      {{{"RANK", "2"}, {"WORLD_SIZE", "2"}}, "RANK='2' is not an integer in [0, 1]"},
+      {{{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "h"}}, "MASTER_PORT is not"},
+      {{{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "h"}, {"MASTER_PORT", "70000"}},
+       "MASTER_PORT='70000' is not an integer in [1, 65535]"},
+  };
+  for (const auto& [values, message] : bad) {
+    LaunchVariables env(values);
+    CAPTURE(message);
+    CHECK_THROWS_WITH_AS(mp::LaunchEnvironment::from_env(), doctest::Contains(message.c_str()),
+                         mp::Error);
+  }
 }
 
 int main(int argc, char** argv) {

@@ -216,6 +216,7 @@ class DataParallel {
     auto& s = *state_;
     s.active = sync && !s.slots.empty();
     s.next = 0;
+    s.twice = false;
     s.overlap = options_.overlap();
     for (auto& slot : s.slots) slot.ready = false;
     for (auto& bucket : s.buckets) {
@@ -233,6 +234,10 @@ class DataParallel {
     auto& s = *state_;
     if (!s.active) return;
     s.active = false;
+    MIXPREC_CHECK(!s.twice, "rank ", s.rank, ": a parameter's gradient was accumulated again "
+                  "after its bucket had been copied (backward() ran twice before the step, e.g. "
+                  "inside loss_fn): its second part would be missing from the average; return "
+                  "one loss and let the Trainer run the backward pass");
     bool all_local = true;
     for (std::size_t i = 0; i < s.slots.size(); ++i) {
       if (!s.slots[i].ready) {
@@ -381,6 +386,7 @@ class DataParallel {
     c10::ScalarType reduce_dtype = at::kFloat;
     std::size_t next = 0;  // the first bucket not launched: buckets launch in order on every rank
     bool active = false;
+    bool twice = false;  // a gradient arrived again after its slot was copied
     bool overlap = true;
     int rank = 0;
     int world = 1;
@@ -426,7 +432,11 @@ class DataParallel {
     }
     void ready(std::size_t i) {
       std::lock_guard<std::mutex> lock(mutex);
-      if (!active || slots[i].ready) return;
+      if (!active) return;
+      if (slots[i].ready) {
+        twice = true;
+        return;
+      }
       fill(i);
       slots[i].ready = true;
       // The last bucket waits for finish(), which adds the per-slot gradient flags to it.

@@ -442,13 +442,23 @@ class Trainer {
   void save(const std::string& path) const {
     MIXPREC_CHECK(pending_ == 0, "save() in the middle of an accumulation (", pending_, " of ",
                   options_.accumulation_steps(), " micro-batches): save after a step");
-    if (!data_parallel_) return write(path, {});
+    if (!data_parallel_) return write(path, {}, {});
     auto& group = *data_parallel_;
-    auto rngs = group.all_gather(cpu_rng_state().to(group.device()));
+    const auto cpu_rngs = group.all_gather(cpu_rng_state().to(group.device()));
+    std::vector<at::Tensor> cuda_rngs;  // each rank's, for the device its model is on
+    if (group.device().is_cuda()) {
+      auto generator = cuda_generator(static_cast<std::size_t>(group.device().index()));
+      at::Tensor state;
+      {
+        std::lock_guard<std::mutex> lock(generator.mutex());
+        state = generator.get_state();
+      }
+      cuda_rngs = group.all_gather(state.to(group.device()));
+    }
     std::exception_ptr failure;
     if (group.rank() == 0) {
       try {
-        write(path, rngs);
+        write(path, cpu_rngs, cuda_rngs);
       } catch (...) {
         failure = std::current_exception();
       }
@@ -505,8 +515,9 @@ class Trainer {
     }
   }
 
-  // `rngs`: every rank's CPU RNG state, in rank order, when data parallel.
-  void write(const std::string& path, const std::vector<at::Tensor>& rngs) const {
+  // Data parallel: every rank's CPU RNG state, and CUDA's of its model's device, in rank order.
+  void write(const std::string& path, const std::vector<at::Tensor>& cpu_rngs,
+             const std::vector<at::Tensor>& cuda_rngs) const {
     try {
       torch::serialize::OutputArchive archive;
       archive.write("mixprec.policy", c10::IValue(std::string(P::name)));
@@ -540,8 +551,11 @@ class Trainer {
       archive.write("optimizer.groups", groups_archive);
       archive.write("scaler", c10::IValue(scaler_.state_dict()));
       archive.write("rng.cpu", cpu_rng_state());
-      for (std::size_t r = 1; r < rngs.size(); ++r) {
-        archive.write("rng.cpu.rank" + std::to_string(r), rngs[r].cpu());
+      for (std::size_t r = 1; r < cpu_rngs.size(); ++r) {
+        archive.write("rng.cpu.rank" + std::to_string(r), cpu_rngs[r].cpu());
+      }
+      for (std::size_t r = 1; r < cuda_rngs.size(); ++r) {
+        archive.write("rng.cuda.rank" + std::to_string(r), cuda_rngs[r].cpu());
       }
       for (std::size_t d = 0; d < cuda_devices(); ++d) {
         auto generator = cuda_generator(d);
@@ -709,7 +723,21 @@ class Trainer {
     // CUDA's, where both the checkpoint and this machine have the device (a run resumed on a
     // machine without CUDA, or with fewer devices, keeps its own for the rest).
     std::vector<std::pair<std::size_t, at::Tensor>> cuda_rng;
-    for (std::size_t d = 0; d < cuda_devices(); ++d) {
+    // Data parallel, rank > 0 on CUDA: its own state for its device instead of rank 0's.
+    at::Tensor own_cuda;
+    const bool other_rank = data_parallel_ && data_parallel_->rank() > 0;
+    if (other_rank && data_parallel_->device().is_cuda() &&
+        archive.try_read("rng.cuda.rank" + std::to_string(data_parallel_->rank()), own_cuda)) {
+      const auto d = static_cast<std::size_t>(data_parallel_->device().index());
+      try {
+        cuda_generator(d).clone().set_state(own_cuda);
+      } catch (const c10::Error&) {
+        detail::fail("'", path, "' holds an invalid CUDA RNG state for rank ",
+                     data_parallel_->rank());
+      }
+      cuda_rng.emplace_back(d, own_cuda);
+    }
+    for (std::size_t d = 0; d < cuda_devices() && !own_cuda.defined(); ++d) {
       at::Tensor state;
       if (!archive.try_read("rng.cuda." + std::to_string(d), state)) continue;
       try {
