@@ -3,6 +3,7 @@
 
 #include <mixprec/autocast.hpp>
 #include <mixprec/concepts.hpp>
+#include <mixprec/distributed.hpp>
 #include <mixprec/error.hpp>
 #include <mixprec/master_weights.hpp>
 #include <mixprec/ops.hpp>
