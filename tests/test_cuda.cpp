@@ -3,6 +3,7 @@
 // Built as mixprec_cuda_tests; ctest's cuda_tests runs it with --require-cuda, which reports
 // "not run" without a GPU. scripts/gpu-check runs it on a GPU machine.
 #include <mixprec/mixprec.hpp>
+#include <mixprec/process_group.hpp>
 
 #include "device_cases.hpp"
 #include "support.hpp"
@@ -11,8 +12,13 @@
 
 #include <doctest/doctest.h>
 
+#include <torch/csrc/distributed/c10d/FileStore.hpp>
+
+#include <algorithm>
 #include <cmath>
+#include <filesystem>
 #include <limits>
+#include <unistd.h>
 
 namespace mp = mixprec;
 
@@ -124,4 +130,45 @@ TEST_SUITE("cuda") {
     CHECK(skips[0] == skips[1]);
     CHECK(finals[0].allclose(finals[1], 1e-4, 1e-5));
   }
+
+#ifdef USE_C10D_NCCL
+  // One GPU, one rank: NCCL allows one rank per device, so this checks the device path of the
+  // data-parallel Trainer (buckets, agreement, gathers on CUDA tensors), not the averaging.
+  TEST_CASE("data parallel over NCCL on CUDA: one rank steps and skips as without a group") {
+    const auto dir = std::filesystem::path(MIXPREC_TEST_TMPDIR) / ("nccl_" + std::to_string(::getpid()));
+    std::filesystem::remove_all(dir);
+    std::filesystem::create_directories(dir);
+    auto store = c10::make_intrusive<c10d::FileStore>((dir / "store").string(), 1);
+    auto group = mp::nccl_group(store, 0, 1, std::chrono::seconds(60));
+    std::vector<std::vector<at::Tensor>> finals;
+    std::vector<std::vector<bool>> stepped;
+    for (const bool distributed : {false, true}) {
+      torch::manual_seed(2);
+      auto net = torch::nn::Sequential(torch::nn::Linear(16, 16), torch::nn::BatchNorm1d(16),
+                                       torch::nn::Linear(16, 4));
+      net->to(torch::kCUDA);
+      torch::optim::SGD sgd(net->parameters(), torch::optim::SGDOptions(0.1));
+      auto options = mp::TrainerOptions().max_grad_norm(1.0).scaler(
+          mp::GradScalerOptions().init_scale(std::ldexp(1.0, 30)));
+      if (distributed) options.distributed(mp::DistributedOptions(group));
+      mp::Trainer<mp::MixedO2<at::Half>> trainer(net, sgd, options);
+      const auto x = torch::randn({32, 16}, torch::kCUDA);
+      std::vector<bool> history;
+      for (int step = 0; step < 12; ++step) {
+        history.push_back(trainer.step([&] {
+          return net->forward(trainer.cast_input(x)).to(at::kFloat).square().mean();
+        }).stepped());
+      }
+      trainer.save((dir / "nccl.ckpt").string());
+      trainer.load((dir / "nccl.ckpt").string());
+      stepped.push_back(history);
+      std::vector<at::Tensor> values;
+      for (const auto& m : trainer.master_weights()) values.push_back(m.cpu());
+      finals.push_back(values);
+    }
+    CHECK(stepped[0] == stepped[1]);
+    CHECK(std::count(stepped[1].begin(), stepped[1].end(), false) >= 2);  // 2^30 overflows fp16
+    for (std::size_t i = 0; i < finals[0].size(); ++i) CHECK(torch::equal(finals[0][i], finals[1][i]));
+  }
+#endif
 }
