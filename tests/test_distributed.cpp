@@ -48,6 +48,34 @@ int failures = 0;
     }                                                                                      \
   } while (false)
 
+// A process group that counts the collectives it forwards: accumulation must not communicate
+// before the last micro-batch.
+struct CountingGroup : mp::ProcessGroup {
+  explicit CountingGroup(c10::intrusive_ptr<mp::ProcessGroup> inner)
+      : mp::ProcessGroup(inner->getRank(), inner->getSize()), inner_(std::move(inner)) {}
+  c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors,
+                                           const c10d::AllreduceOptions& options) override {
+    ++calls;
+    return inner_->allreduce(tensors, options);
+  }
+  c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors,
+                                           const c10d::BroadcastOptions& options) override {
+    ++calls;
+    return inner_->broadcast(tensors, options);
+  }
+  c10::intrusive_ptr<c10d::Work> allgather(std::vector<std::vector<at::Tensor>>& outputs,
+                                           std::vector<at::Tensor>& inputs,
+                                           const c10d::AllgatherOptions& options) override {
+    ++calls;
+    return inner_->allgather(outputs, inputs, options);
+  }
+  const std::string getBackendName() const override { return inner_->getBackendName(); }
+  int calls = 0;
+
+ private:
+  c10::intrusive_ptr<mp::ProcessGroup> inner_;
+};
+
 struct Rank {
   int rank;
   int world;
@@ -149,7 +177,8 @@ std::unique_ptr<torch::optim::SGD> sgd_for(Net& net) {
 
 template <class P>
 Run train(Net net, std::optional<mp::DistributedOptions> distributed, int accumulation,
-          const std::vector<Batch>& data, std::int64_t begin, std::int64_t rows) {
+          const std::vector<Batch>& data, std::int64_t begin, std::int64_t rows,
+          const CountingGroup* counter = nullptr) {
   auto optimizer = sgd_for(net);
   auto options = options_for<P>(accumulation);
   if (distributed) options.distributed(*distributed);
@@ -161,7 +190,13 @@ Run train(Net net, std::optional<mp::DistributedOptions> distributed, int accumu
     const auto micro = rows / accumulation;
     for (int m = 0; m < accumulation; ++m) {
       Batch part{batch.x.narrow(0, begin + m * micro, micro), batch.y.narrow(0, begin + m * micro, micro)};
+      const int calls = counter ? counter->calls : 0;
       report = trainer.step([&] { return loss_of(trainer, net, part); });
+      // No buffers to broadcast in this model: a micro-batch before the last is silent.
+      if (counter && m + 1 < accumulation) {
+        RANK_EXPECT(counter->calls == calls, "a collective before the last micro-batch");
+      }
+      if (counter && m + 1 == accumulation) RANK_EXPECT(counter->calls > calls, "no collective");
     }
     run.statuses.push_back(report.status);
     run.scales.push_back(report.scale);
@@ -221,9 +256,10 @@ void equivalence(Rank& r, int accumulation, c10::ScalarType reduce_dtype, double
   const auto data = batches(steps, per_rank * r.world, /*inf_step=*/3);
   const auto single = train<P>(dyadic_net(1000), std::nullopt, accumulation, data, 0,
                                per_rank * r.world);
-  auto options = mp::DistributedOptions(r.group).reduce_dtype(reduce_dtype).first_bucket_cap_mb(0.0005);
+  auto counter = c10::make_intrusive<CountingGroup>(r.group);
+  auto options = mp::DistributedOptions(counter).reduce_dtype(reduce_dtype).first_bucket_cap_mb(0.0005);
   const auto dist = train<P>(dyadic_net(1000 + r.rank), options, accumulation, data,
-                             r.rank * per_rank, per_rank);
+                             r.rank * per_rank, per_rank, counter.get());
   RANK_EXPECT(dist.statuses == single.statuses, P::name);
   RANK_EXPECT(dist.statuses[3] == mp::StepStatus::skipped, P::name);
   RANK_EXPECT(dist.scales == single.scales, P::name);
