@@ -24,6 +24,7 @@
 #include <functional>
 #include <iostream>
 #include <map>
+#include <random>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -492,6 +493,86 @@ void case_resume(Rank& r) {
   RANK_EXPECT(torch::equal(at::detail::getDefaultCPUGenerator().get_state(), rng_after_a), "RNG");
 }
 
+// A checkpoint that one rank cannot read: every rank throws, and none changes; a checkpoint
+// rank 0 cannot write: every rank throws.
+void case_checkpoint_errors(Rank& r) {
+  auto net = dyadic_net(1);
+  auto optimizer = sgd_for(net);
+  mp::Trainer<mp::MixedO2<at::BFloat16>> trainer(
+      net, *optimizer, mp::TrainerOptions().distributed(mp::DistributedOptions(r.group)));
+  auto gen = at::detail::createCPUGenerator(5);
+  auto step = [&] {
+    Batch b{dyadic({4, 8}, gen), dyadic({4, 4}, gen)};
+    trainer.step([&] { return loss_of(trainer, net, b); });
+  };
+  step();
+  const auto path = r.dir + "/errors.ckpt";
+  trainer.save(path);
+  step();  // the state now differs from the file's
+  const auto params = snapshot(net->parameters());
+  const auto masters = snapshot(trainer.master_weights());
+  const auto steps = trainer.stats().steps;
+  try {
+    trainer.load(r.rank == 1 ? r.dir + "/no-such.ckpt" : path);
+    RANK_EXPECT(false, "no Error when rank 1 cannot load");
+  } catch (const mp::Error& e) {
+    const std::string message = e.what();
+    RANK_EXPECT(message.find(r.rank == 1 ? "no-such.ckpt" : "another rank could not load") !=
+                    std::string::npos,
+                message);
+  }
+  RANK_EXPECT(identical(net->parameters(), params), "parameters changed");
+  RANK_EXPECT(identical(trainer.master_weights(), masters), "masters changed");
+  RANK_EXPECT(trainer.stats().steps == steps, "counters changed");
+  try {
+    trainer.save(r.dir + "/no-such-directory/x.ckpt");
+    RANK_EXPECT(false, "no Error when rank 0 cannot write");
+  } catch (const mp::Error& e) {
+    const std::string message = e.what();
+    RANK_EXPECT(message.find(r.rank == 0 ? "no-such-directory" : "rank 0 could not write") !=
+                    std::string::npos,
+                message);
+  }
+  step();  // and the group goes on
+  trainer.load(path);
+  RANK_EXPECT(trainer.stats().steps == 1, "loaded");
+  RANK_EXPECT(same_on_every_rank(r, net->parameters()), "ranks differ");
+}
+
+// Trains 60 steps, saving every 4, from the last checkpoint if there is one; rank 0 writes the
+// final state. The parent kills a rank of it at random moments and restarts both.
+void case_kill_resume(Rank& r) {
+  const auto root = std::filesystem::path(r.dir).parent_path();
+  const auto checkpoint = (root / "state.ckpt").string();
+  torch::manual_seed(100 + r.rank);
+  auto net = dyadic_net(1000 + r.rank);
+  auto optimizer = sgd_for(net);
+  mp::Trainer<mp::MixedO2<at::BFloat16>> trainer(
+      net, *optimizer, mp::TrainerOptions().distributed(mp::DistributedOptions(r.group)));
+  if (std::filesystem::exists(checkpoint)) trainer.load(checkpoint);
+  std::cerr << "rank " << r.rank << " starts at step " << trainer.stats().steps << "\n";
+  const int total = 60;
+  for (auto k = trainer.stats().steps; k < total; ++k) {
+    auto gen = at::detail::createCPUGenerator(static_cast<std::uint64_t>(10000 + 16 * k + r.rank));
+    Batch b{dyadic({4, 8}, gen), dyadic({4, 4}, gen)};
+    if (k == 7 && r.rank == 1) b.x[0][0] = std::numeric_limits<float>::infinity();
+    trainer.step([&] {
+      auto out = torch::dropout(net->forward(trainer.cast_input(b.x)).to(torch::kFloat), 0.25, true);
+      return (out - b.y).pow(2).mean();
+    });
+    if ((k + 1) % 4 == 0) trainer.save(checkpoint);
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));  // room for the kills
+  }
+  if (r.rank == 0) {
+    auto values = snapshot(net->parameters());
+    for (const auto& m : trainer.master_weights()) values.push_back(m.clone());
+    const auto stats = trainer.stats();
+    values.push_back(torch::tensor({stats.steps, stats.skipped_steps, stats.micro_batches}));
+    values.push_back(at::detail::getDefaultCPUGenerator().get_state());
+    torch::save(values, (root / "final.pt").string());
+  }
+}
+
 // BatchNorm's running statistics follow rank 0's, as DDP's broadcast_buffers does.
 void case_buffers(Rank& r) {
   torch::manual_seed(1);
@@ -521,7 +602,8 @@ void case_buffers(Rank& r) {
 int run_rank(const std::string& name, int rank, int world, const std::string& dir) {
   Rank r{rank, world, dir, {}};
   auto store = c10::make_intrusive<c10d::FileStore>(dir + "/store", world);
-  r.group = mp::gloo_group(store, rank, world, std::chrono::seconds(30));
+  // The rendezvous too must give up on a peer killed before it arrived.
+  store->setTimeout(std::chrono::seconds(30));
   const std::map<std::string, std::function<void(Rank&)>> cases{
       {"equivalence", [](Rank& x) { case_equivalence(x, 1); }},
       {"accumulation", [](Rank& x) { case_equivalence(x, 2); }},
@@ -531,9 +613,12 @@ int run_rank(const std::string& name, int rank, int world, const std::string& di
       {"mismatch", case_mismatch},
       {"kill", case_kill},
       {"resume", case_resume},
+      {"checkpoint_errors", case_checkpoint_errors},
+      {"kill_resume", case_kill_resume},
       {"buffers", case_buffers},
   };
   try {
+    r.group = mp::gloo_group(store, rank, world, std::chrono::seconds(30));
     cases.at(name)(r);
   } catch (const std::exception& e) {
     std::cerr << "rank " << rank << ": unexpected exception: " << e.what() << "\n";
@@ -549,17 +634,31 @@ std::string self_path;
 struct Outcome {
   int status = -1;  // waitpid status; -1: killed by the parent at the deadline
   bool hung = false;
+  bool killed = false;  // by a Kill
   std::string log;
 };
 
 // Starts `world` ranks of case `name`; kills them all at the deadline.
-std::vector<Outcome> run_ranks(const std::string& name, int world,
-                               std::chrono::seconds deadline = std::chrono::seconds(240)) {
+// A rank to SIGKILL, and when: `after` the line `marker` appears in its log.
+struct Kill {
+  int rank;
+  std::chrono::milliseconds after;
+  std::string marker = "starts at step";
+};
+
+std::filesystem::path fresh_dir(const std::string& name) {
   static int counter = 0;
   const auto dir = std::filesystem::path(MIXPREC_TEST_TMPDIR) /
-                   ("distributed_" + name + "_" + std::to_string(world) + "_" +
-                    std::to_string(::getpid()) + "_" + std::to_string(counter++));
+                   ("distributed_" + name + "_" + std::to_string(::getpid()) + "_" +
+                    std::to_string(counter++));
   std::filesystem::remove_all(dir);
+  return dir;
+}
+
+std::vector<Outcome> run_ranks(const std::string& name, int world,
+                               std::chrono::seconds deadline = std::chrono::seconds(240),
+                               std::filesystem::path dir = {}, std::optional<Kill> kill = {}) {
+  if (dir.empty()) dir = fresh_dir(name);
   std::filesystem::create_directories(dir);
   std::vector<pid_t> pids;
   for (int rank = 0; rank < world; ++rank) {
@@ -580,8 +679,25 @@ std::vector<Outcome> run_ranks(const std::string& name, int world,
   }
   std::vector<Outcome> outcomes(static_cast<std::size_t>(world));
   const auto end = std::chrono::steady_clock::now() + deadline;
+  std::optional<std::chrono::steady_clock::time_point> kill_at;
   std::size_t left = pids.size();
   while (left > 0) {
+    if (kill && !kill_at) {  // the clock starts when the victim has begun to train
+      std::ifstream in(dir / ("rank" + std::to_string(kill->rank) + ".log"));
+      std::stringstream text;
+      text << in.rdbuf();
+      if (text.str().find(kill->marker) != std::string::npos) {
+        kill_at = std::chrono::steady_clock::now() + kill->after;
+      }
+    }
+    if (kill && kill_at && std::chrono::steady_clock::now() >= *kill_at) {
+      const auto victim = static_cast<std::size_t>(kill->rank);
+      if (pids[victim] != 0) {
+        ::kill(pids[victim], SIGKILL);
+        outcomes[victim].killed = true;
+      }
+      kill.reset();
+    }
     for (std::size_t i = 0; i < pids.size(); ++i) {
       if (pids[i] == 0) continue;
       int status = 0;
@@ -651,6 +767,52 @@ TEST_CASE("distributed: models that differ across ranks are an Error on every ra
 
 TEST_CASE("distributed: a resumed 2-process run equals the uninterrupted one bitwise") {
   require_all_passed(run_ranks("resume", 2));
+}
+
+TEST_CASE("distributed: a checkpoint one rank cannot load or rank 0 cannot write: an Error on every rank, nothing changed") {
+  require_all_passed(run_ranks("checkpoint_errors", 2));
+}
+
+TEST_CASE("distributed: killed and restarted from its checkpoints, a run ends as an uninterrupted one, bitwise") {
+  const auto reference = fresh_dir("kill_resume_reference");
+  require_all_passed(run_ranks("kill_resume", 2, std::chrono::seconds(240), reference / "run"));
+  std::vector<torch::Tensor> expected;
+  torch::load(expected, (reference / "final.pt").string());
+
+  const auto interrupted = fresh_dir("kill_resume");
+  std::mt19937 random(7);
+  int kills = 0;
+  for (int attempt = 0;; ++attempt) {
+    REQUIRE(attempt < 60);
+    // Five kills at random moments (of either rank, inside save() among them), then a run to
+    // the end; a kill before the first checkpoint only costs time.
+    std::optional<Kill> kill;
+    // The run trains 60 steps of about 10 ms from wherever it resumed.
+    if (kills < 5) kill = Kill{static_cast<int>(random() % 2), std::chrono::milliseconds(random() % 300)};
+    const auto outcomes = run_ranks("kill_resume", 2, std::chrono::seconds(240),
+                                    interrupted / ("attempt" + std::to_string(attempt)), kill);
+    MESSAGE("attempt ", attempt, (kill ? " kill rank " + std::to_string(kill->rank) + " after " +
+                                             std::to_string(kill->after.count()) + " ms"
+                                       : std::string(" to the end")),
+            ": ", outcomes[0].log.substr(0, outcomes[0].log.find('\n')));
+    bool all_done = true;
+    for (const auto& o : outcomes) {
+      INFO("log:\n", o.log);
+      CHECK_FALSE(o.hung);  // a survivor fails at its next collective, never waits forever
+      all_done = all_done && !o.killed && WIFEXITED(o.status) && WEXITSTATUS(o.status) == 0;
+    }
+    if (outcomes[0].killed || outcomes[1].killed) ++kills;
+    if (all_done && !std::filesystem::exists(interrupted / "final.pt")) all_done = false;
+    if (all_done) break;
+  }
+  CHECK(kills >= 3);  // a run that finishes before its kill ends the loop early
+  std::vector<torch::Tensor> got;
+  torch::load(got, (interrupted / "final.pt").string());
+  REQUIRE(got.size() == expected.size());
+  for (std::size_t i = 0; i < got.size(); ++i) {
+    CAPTURE(i);
+    CHECK(torch::equal(got[i], expected[i]));
+  }
 }
 
 TEST_CASE("distributed: BatchNorm buffers follow rank 0's, parameters agree bitwise") {

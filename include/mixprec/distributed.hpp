@@ -411,11 +411,12 @@ class DataParallel {
       auto target = view(i);
       if (!grad.defined() && !held.defined()) {
         target.zero_();
-      } else {
-        const auto value = !held.defined() ? grad : (grad.defined() ? held + grad : held);
-        target.copy_(value.reshape({-1}));
+        return;
       }
-      if (reduce_dtype != at::kFloat) target.div_(world);
+      const auto value = !held.defined() ? grad : (grad.defined() ? held + grad : held);
+      // A 16-bit sum of N ranks' values could overflow: divide first, in the gradient's own
+      // precision, so that the value rounds to 16 bits once.
+      target.copy_((reduce_dtype == at::kFloat ? value : value / world).reshape({-1}));
     }
     void launch_ready(bool include_last) {
       while (next < buckets.size() && buckets[next].pending == 0 &&
