@@ -757,7 +757,7 @@ TEST_CASE("distributed: overflow on some ranks only: every rank skips, the scale
   require_all_passed(run_ranks("overflow", 3));
 }
 
-TEST_CASE("distributed: a parameter unused on some ranks is reduced as zeros; unused everywhere, untouched") {
+TEST_CASE("distributed: a parameter unused on some ranks is reduced as zeros, unused everywhere it is untouched") {
   require_all_passed(run_ranks("unused", 3));
 }
 
