@@ -10,6 +10,9 @@
 #include <mixprec/mixprec.hpp>
 
 #include <ATen/CPUGeneratorImpl.h>
+#include <caffe2/serialize/in_memory_adapter.h>
+#include <caffe2/serialize/inline_container.h>
+#include <torch/csrc/jit/serialization/import_read.h>
 #include <torch/serialize.h>
 #include <torch/torch.h>
 
@@ -223,6 +226,18 @@ std::string scaler_state(const mp::GradScaler& s) {
   return out.str();
 }
 
+// torch::pickle_load's own steps, with LibTorch's bounds-checked MemoryReadAdapter in place of the
+// VectorReader that pickle_load uses: VectorReader::read copies whatever range the zip directory
+// names, so torch::pickle_load of damaged bytes reads out of bounds and crashes (found by this
+// target; docs/reliability.md). MIXPREC_FUZZ_PICKLE_LOAD=1 calls torch::pickle_load itself.
+c10::IValue pickle_load(const std::vector<char>& bytes) {
+  if (std::getenv("MIXPREC_FUZZ_PICKLE_LOAD") != nullptr) return torch::pickle_load(bytes);
+  caffe2::serialize::PyTorchStreamReader reader(std::make_shared<caffe2::serialize::MemoryReadAdapter>(
+      bytes.data(), static_cast<off_t>(bytes.size())));
+  return torch::jit::readArchiveAndTensors("data", "", "", std::nullopt, std::nullopt, std::nullopt,
+                                           reader);
+}
+
 }  // namespace
 
 void fuzz_scaler_load_init() {
@@ -253,7 +268,7 @@ int fuzz_scaler_load(const std::uint8_t* data, std::size_t size) {
                                 reinterpret_cast<const char*>(data) + size);
   c10::IValue value;
   try {
-    value = torch::pickle_load(bytes);
+    value = pickle_load(bytes);
   } catch (const std::exception&) {
     return 0;  // LibTorch refused the bytes: not a state dict, not mixprec's to judge
   }
