@@ -1,7 +1,8 @@
 // mixprec_reliability: the fault programs of docs/reliability.md, one binary (a TU that includes
 // LibTorch costs ~25 s to compile).
 //
-//   mixprec_reliability soak [--steps N] [--seed S] [--rate R] [--clip] [--smoke]
+//   mixprec_reliability soak [--steps N] [--seed S] [--rate R] [--growth-interval G]
+//                            [--max-grad-norm X] [--smoke]
 //     Trains every policy for N optimizer steps with inf/NaN injected at random seeded steps into
 //     gradients, the loss and the inputs, beside a reference run that never attempts those steps.
 //   mixprec_reliability kill-resume [--steps N] [--every K] [--kills K] [--seed S] [--dir D]
@@ -221,6 +222,7 @@ struct SoakResult {
   std::int64_t scale_mismatches = 0;   // the scale left the algorithm's trajectory
   bool equal_to_reference = false;
   std::int64_t rss_warm = 0, rss_end = 0;
+  double final_scale = 1, max_scale = 1, last_loss = 0;
   std::vector<std::string> notes;
 };
 
@@ -286,10 +288,12 @@ SoakResult soak(const Args& args) {
   const double rate = args.number("rate", 0.05);
   constexpr bool dynamic = std::is_same_v<typename P::scaler_type, mp::GradScaler>;
   auto options = mp::TrainerOptions();
-  if (args.has("clip")) options.max_grad_norm(1.0);
-  // A short growth interval: the fp16 scale grows into real overflows and backs off, often.
-  const auto scaler_options = mp::GradScalerOptions().growth_interval(50).hysteresis(
-      std::is_same_v<P, ScaledO2> ? 2 : 1);
+  if (args.has("max-grad-norm")) options.max_grad_norm(args.number("max-grad-norm", 1.0));
+  // A short growth interval: between injections the fp16 scale grows into real overflows and
+  // backs off. (With 2000, 5 % of steps overflowing would drive the scale down to 0.)
+  const auto scaler_options = mp::GradScalerOptions()
+                                  .growth_interval(args.integer("growth-interval", 10))
+                                  .hysteresis(std::is_same_v<P, ScaledO2> ? 2 : 1);
   if constexpr (dynamic) options.scaler(scaler_options);
 
   SoakResult result;
@@ -355,12 +359,14 @@ SoakResult soak(const Args& args) {
       state.insert_or_assign("_hysteresis_tracker", model.hysteresis_tracker);
       reference.trainer.scaler().load_state_dict(state);
     }
-    if (!std::isfinite(report.loss.template item<double>()) && !injection && !skipped) {
-      ++result.corruptions;
-    }
+    const double loss = report.loss.template item<double>();
+    if (!std::isfinite(loss) && !injection && !skipped) ++result.corruptions;
+    if (!injection) result.last_loss = loss;
+    result.max_scale = std::max(result.max_scale, report.scale);
   }
   result.steps = run.trainer.stats().steps;
   result.rss_end = rss_kib();
+  result.final_scale = run.trainer.scaler().get_scale();
   const auto stats = run.trainer.stats();
   const auto ref_stats = reference.trainer.stats();
   if (stats.skipped_steps != result.skips) result.notes.push_back("stats().skipped_steps differs");
@@ -395,11 +401,13 @@ int run_soak(const Args& args) {
   // A leak of one small tensor per step is ~1 MiB per 10000 steps; the noise measured is < 256 KiB.
   const std::int64_t rss_allowance_kib = 1024;
   std::cout << "LibTorch " << TORCH_VERSION << ", seed " << sized.integer("seed", 1)
-            << ", injection rate " << sized.number("rate", 0.05)
-            << (args.has("clip") ? ", max_grad_norm 1" : "") << "\n\n"
+            << ", injection rate " << sized.number("rate", 0.05) << ", growth_interval "
+            << sized.integer("growth-interval", 10)
+            << (args.has("max-grad-norm") ? ", max_grad_norm " + args.text("max-grad-norm", "") : "") << "\n\n"
             << "| policy | steps | injections (grad/loss/input) | skips (of which natural) | "
-               "corruptions | scale off trajectory | equals reference | RSS KiB warm -> end |\n"
-            << "|---|---:|---:|---:|---:|---:|---|---:|\n";
+               "corruptions | scale off trajectory | equals reference | RSS KiB warm -> end | "
+               "largest / final scale | last clean loss |\n"
+            << "|---|---:|---:|---:|---:|---:|---|---:|---:|---:|\n";
   bool ok = true;
   std::int64_t total_steps = 0, total_injections = 0, total_skips = 0, total_corruptions = 0;
   for (const auto& r : results) {
@@ -414,7 +422,8 @@ int run_soak(const Args& args) {
               << r.by_target[0] << "/" << r.by_target[1] << "/" << r.by_target[2] << ") | "
               << r.skips << " (" << r.natural_skips << ") | " << r.corruptions << " | "
               << r.scale_mismatches << " | " << (r.equal_to_reference ? "yes" : "NO") << " | "
-              << r.rss_warm << " -> " << r.rss_end << (rss_flat ? "" : " (GREW)") << " |\n";
+              << r.rss_warm << " -> " << r.rss_end << (rss_flat ? "" : " (GREW)") << " | "
+              << r.max_scale << " / " << r.final_scale << " | " << r.last_loss << " |\n";
     for (const auto& note : r.notes) std::cout << "  " << r.policy << ": " << note << "\n";
   }
   std::cout << "\ntotal: " << total_steps << " steps, " << total_injections << " injections, "
