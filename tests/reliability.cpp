@@ -15,6 +15,7 @@
 // Each prints a Markdown table and exits 0 only if nothing was corrupted.
 #include <mixprec/mixprec.hpp>
 
+#include "scaled_policy.hpp"
 #include "support.hpp"
 
 #include <ATen/CPUGeneratorImpl.h>
@@ -57,12 +58,7 @@ namespace fs = std::filesystem;
 
 namespace {
 
-// MixedO2<BFloat16> with dynamic scaling and hysteresis, as a user would derive it: the one
-// policy with a moving scale that LibTorch 1.13's CPU can run.
-struct ScaledO2 : mp::MixedO2<at::BFloat16> {
-  static constexpr std::string_view name = "ScaledO2<BFloat16>";
-  using scaler_type = mp::GradScaler;
-};
+using test::ScaledO2;
 
 // --name value pairs and --flags.
 struct Args {

@@ -3,6 +3,7 @@
 // state it could have touched is bit-identical afterwards. The rows' names are the table's.
 #include <mixprec/mixprec.hpp>
 
+#include "scaled_policy.hpp"
 #include "support.hpp"
 
 #include <torch/torch.h>
@@ -22,10 +23,7 @@ namespace ops = mixprec::ops;
 
 namespace {
 
-struct ScaledO2 : mp::MixedO2<at::BFloat16> {
-  static constexpr std::string_view name = "ScaledO2";
-  using scaler_type = mp::GradScaler;
-};
+using test::ScaledO2;
 
 constexpr double kInf = std::numeric_limits<double>::infinity();
 constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();

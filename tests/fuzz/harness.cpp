@@ -5,6 +5,7 @@
 // mixprec::Error with the state unchanged, bit for bit. Any other exception, a changed state, a
 // non-finite result of finite input, aborts: libFuzzer reports it as a crash and keeps the input.
 #include "harness.hpp"
+#include "../scaled_policy.hpp"
 
 #include <mixprec/detail/checkpoint_file.hpp>
 #include <mixprec/mixprec.hpp>
@@ -95,10 +96,7 @@ std::optional<fs::path> seed_dir() {
 // ---------------------------------------------------------------------------------------------
 // Trainer::load
 
-struct ScaledO2 : mp::MixedO2<at::BFloat16> {
-  static constexpr std::string_view name = "ScaledO2";
-  using scaler_type = mp::GradScaler;
-};
+using test::ScaledO2;
 
 struct Net : torch::nn::Module {
   Net() {
