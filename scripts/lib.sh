@@ -18,9 +18,11 @@ export CCACHE_BASEDIR="${CCACHE_BASEDIR:-$PWD}"
 export CCACHE_SLOPPINESS="${CCACHE_SLOPPINESS:-pch_defines,time_macros,include_file_mtime,include_file_ctime}"
 
 # Everything the build, the tests, the examples and the demo use. Debian's libtorch-dev and
-# python3-torch are the `system` LibTorch and its Python; the wheel needs python3-venv.
-MIXPREC_PACKAGES=(cmake ninja-build g++ ccache libtorch-dev doctest-dev python3-torch python3-venv libgloo-dev
-                  zlib1g-dev dataset-fashion-mnist)
+# python3-torch are the `system` LibTorch and its Python; the wheel needs python3-venv; clang-14
+# and libfuzzer-14-dev build the fuzz targets (tests/fuzz).
+# libgloo-dev has Gloo's headers, for the distributed tests and examples (the wheel ships none).
+MIXPREC_PACKAGES=(cmake ninja-build g++ ccache libtorch-dev doctest-dev python3-torch python3-venv
+                  libgloo-dev zlib1g-dev dataset-fashion-mnist clang-14 libfuzzer-14-dev)
 
 # The LibTorch the scripts build against, chosen by MIXPREC_LIBTORCH:
 #   wheel  (default) the LibTorch inside PyPI's torch wheel, in a virtual environment build/venv

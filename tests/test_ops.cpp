@@ -382,6 +382,13 @@ TEST_CASE("fully masked rows and empty dimensions") {
     CHECK(at::equal(ops::masked_mean(empty, keep, 1), at::zeros({2}, dtype)));
     CHECK(at::equal(ops::logsumexp(empty, keep, 1), at::zeros({2}, dtype)));
     CHECK(at::equal(ops::logsumexp(empty, 1), at::zeros({2}, dtype)));
+    // A mask of size 1 along the empty dim (found by tests/fuzz): still no entry to keep.
+    const auto keep_rows = at::ones({2, 1}, at::kBool);
+    CHECK(at::equal(ops::logsumexp(empty, keep_rows, 1), at::zeros({2}, dtype)));
+    CHECK(at::equal(ops::logsumexp(empty, keep_rows, 1, true), at::zeros({2, 1}, dtype)));
+    CHECK(at::equal(ops::masked_mean(empty, keep_rows, 1), at::zeros({2}, dtype)));
+    CHECK(at::equal(ops::masked_max(empty, keep_rows, 1),
+                    at::full({2}, ops::min_value_of_dtype(dtype), dtype)));
     const auto max = ops::masked_max(empty, keep, 1, true);
     CHECK(at::equal(max, at::full({2, 1}, ops::min_value_of_dtype(dtype), dtype)));
     max.sum().backward();

@@ -234,7 +234,8 @@ at::Tensor logsumexp(const at::Tensor& tensor, const at::Tensor& mask = {}, int6
     }
   } else {
     const auto keep = detail::prepare_mask(op, tensor, mask, d);
-    const auto row_any = keep.any(d, /*keepdim=*/true);
+    // Over the mask broadcast to the tensor: a size-1 mask along an empty dim keeps no entry.
+    const auto row_any = keep.expand(x.sizes()).any(d, /*keepdim=*/true);
     result = at::logsumexp(at::where(keep, x, detail::masked_fill_values(row_any, x.options())), d,
                            keepdim);
     result =

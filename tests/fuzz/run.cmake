@@ -1,0 +1,57 @@
+# cmake -DACTION=build -DSOURCE_DIR=... -DWORK_DIR=... -DGENERATOR=... -DTorch_DIR=... -DCXX=... -P run.cmake
+# cmake -DACTION=run -DWORK_DIR=... -DTARGET=trainer_load|scaler_load|ops_mask -DSECONDS=40 -P run.cmake
+# build: configures and builds tests/fuzz with clang++ against the main build's LibTorch.
+# run: writes the target's seeds (real checkpoints, state dicts, op calls), fuzzes it for
+# SECONDS in libFuzzer's fork mode, prints the executions and coverage, and fails on a crash, a
+# hang, a sanitizer report or a broken contract. Out-of-memory inputs are not failures: they are
+# LibTorch's unpickler reserving a length read from the input (docs/reliability.md).
+if(ACTION STREQUAL "build")
+  get_filename_component(_torch_root "${Torch_DIR}/../../.." ABSOLUTE)
+  set(_launcher)
+  find_program(_ccache ccache)
+  if(_ccache)
+    set(_launcher -DCMAKE_CXX_COMPILER_LAUNCHER=${_ccache})
+  endif()
+  execute_process(
+    COMMAND ${CMAKE_COMMAND} -S ${SOURCE_DIR}/tests/fuzz -B ${WORK_DIR}/build -G ${GENERATOR}
+            -DCMAKE_CXX_COMPILER=${CXX} -DCMAKE_BUILD_TYPE=RelWithDebInfo
+            -DMIXPREC_SOURCE_DIR=${SOURCE_DIR} -DTorch_DIR=${Torch_DIR}
+            "-DCMAKE_PREFIX_PATH=${_torch_root}" ${_launcher}
+    RESULT_VARIABLE _rc)
+  if(NOT _rc EQUAL 0)
+    message(FATAL_ERROR "configuring tests/fuzz with ${CXX} failed")
+  endif()
+  execute_process(COMMAND ${CMAKE_COMMAND} --build ${WORK_DIR}/build RESULT_VARIABLE _rc)
+  if(NOT _rc EQUAL 0)
+    message(FATAL_ERROR "building tests/fuzz failed")
+  endif()
+  return()
+endif()
+
+set(_binary ${WORK_DIR}/build/fuzz_${TARGET})
+set(_corpus ${WORK_DIR}/corpus_${TARGET})
+set(_artifacts ${WORK_DIR}/artifacts_${TARGET}/)
+file(REMOVE_RECURSE ${_corpus} ${_artifacts})
+file(MAKE_DIRECTORY ${_corpus} ${_artifacts})
+set(_env ${CMAKE_COMMAND} -E env OMP_NUM_THREADS=1
+    "LSAN_OPTIONS=suppressions=${CMAKE_CURRENT_LIST_DIR}/lsan.supp"
+    "UBSAN_OPTIONS=print_stacktrace=1")
+# The seeds: LLVMFuzzerInitialize writes them where MIXPREC_FUZZ_SEEDS points; -runs=0 stops there.
+execute_process(COMMAND ${_env} MIXPREC_FUZZ_SEEDS=${_corpus} ${_binary} -runs=0
+                RESULT_VARIABLE _rc OUTPUT_QUIET ERROR_VARIABLE _seed_log)
+if(NOT _rc EQUAL 0)
+  message(FATAL_ERROR "writing the seeds of fuzz_${TARGET} failed:\n${_seed_log}")
+endif()
+execute_process(
+  COMMAND ${_env} ${_binary} ${_corpus} -fork=1 -ignore_ooms=1 -ignore_timeouts=0
+          -ignore_crashes=0 -timeout=20 -malloc_limit_mb=2048 -rss_limit_mb=4096
+          -max_total_time=${SECONDS} -artifact_prefix=${_artifacts}
+  RESULT_VARIABLE _rc OUTPUT_VARIABLE _out ERROR_VARIABLE _log)
+# Fork mode reports "#EXECS: cov: C ft: F corp: N exec/s R oom/timeout/crash: O/T/X time: S".
+string(REGEX MATCHALL "#[0-9]+: cov: [0-9]+ ft: [0-9]+ corp: [0-9]+ exec/s:? [0-9]+ oom/timeout/crash: [0-9]+/[0-9]+/[0-9]+"
+       _lines "${_log}")
+list(GET _lines -1 _last)
+message(STATUS "fuzz_${TARGET}, ${SECONDS} s: ${_last}")
+if(NOT _rc EQUAL 0 OR NOT _last MATCHES "oom/timeout/crash: [0-9]+/0/0$")
+  message(FATAL_ERROR "fuzz_${TARGET} found a failure (exit ${_rc}); inputs in ${_artifacts}\n${_log}")
+endif()
