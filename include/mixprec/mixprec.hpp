@@ -1,8 +1,10 @@
 #pragma once
 /// mixprec: mixed-precision training for LibTorch. Include this header for everything.
 
+#include <mixprec/advise.hpp>
 #include <mixprec/autocast.hpp>
 #include <mixprec/concepts.hpp>
+#include <mixprec/diagnostics.hpp>
 #include <mixprec/distributed.hpp>
 #include <mixprec/error.hpp>
 #include <mixprec/master_weights.hpp>

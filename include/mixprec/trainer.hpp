@@ -19,6 +19,7 @@
 #include <mixprec/concepts.hpp>
 #include <mixprec/detail/checkpoint_file.hpp>
 #include <mixprec/detail/model_cast.hpp>
+#include <mixprec/diagnostics.hpp>
 #include <mixprec/distributed.hpp>
 #include <mixprec/error.hpp>
 #include <mixprec/fused_adam.hpp>
@@ -50,6 +51,7 @@
 #include <ostream>
 #include <string>
 #include <type_traits>
+#include <unordered_set>
 #include <utility>
 #include <vector>
 
@@ -79,6 +81,13 @@ struct StepReport {
   double scale = 1.0;                ///< the loss scale this step used
   std::optional<double> grad_norm;   ///< total gradient norm, when clipping (max_grad_norm)
   std::int64_t step = 0;             ///< optimizer steps so far (taken or skipped)
+  /// On a skipped step: where the inf/NaN was (the loss, which parameters' gradients).
+  std::optional<Overflow> overflow;
+  /// With TrainerOptions::find_non_finite_op: the first op of this micro-batch's forward pass
+  /// whose output held inf/NaN, if one did.
+  std::optional<NonFiniteOp> non_finite_op;
+  /// With TrainerOptions::gradient_stats, on the steps it counts: fp16's view of the gradients.
+  std::optional<GradientStats> gradient_stats;
   bool stepped() const noexcept { return status == StepStatus::stepped; }
 };
 
@@ -88,6 +97,8 @@ struct TrainerStats {
   std::int64_t skipped_steps = 0;  ///< of which skipped for inf/NaN
   std::int64_t micro_batches = 0;  ///< step() calls
   double scale = 1.0;              ///< the current loss scale
+  /// The latest TrainerOptions::gradient_stats counted, if any.
+  std::optional<GradientStats> gradient_stats;
 };
 
 /// Settings of a Trainer.
@@ -109,6 +120,14 @@ struct TrainerOptions {
   /// averaged across ranks before unscaling, every rank steps or skips alike, rank 0 writes
   /// the checkpoints. Every rank must construct its Trainer and call step/save/load alike.
   TORCH_ARG(std::optional<DistributedOptions>, distributed) = std::nullopt;
+  /// Debugging: watch every op of each forward pass (loss_fn) and report the first whose output
+  /// held inf/NaN in StepReport::non_finite_op. Slow: it reads every op's output (on a device,
+  /// a synchronisation per op); docs/diagnostics.md.
+  TORCH_ARG(bool, find_non_finite_op) = false;
+  /// Every N optimizer steps, count per parameter (or module prefix) how many gradient elements
+  /// fp16 would flush to zero or overflow at the loss scale: StepReport::gradient_stats and
+  /// TrainerStats::gradient_stats. One extra read of the gradients on those steps only.
+  TORCH_ARG(GradientStatsOptions, gradient_stats) = {};
 };
 
 namespace detail {
@@ -234,6 +253,11 @@ class Trainer {
     MIXPREC_CHECK(options_.accumulation_steps() >= 1,
                   "TrainerOptions::accumulation_steps must be >= 1, got ",
                   options_.accumulation_steps());
+    MIXPREC_CHECK(options_.gradient_stats().every() >= 0 &&
+                      options_.gradient_stats().group_depth() >= 0,
+                  "GradientStatsOptions: every and group_depth must be >= 0 (every 0: off; "
+                  "group_depth 0: per parameter), got every ", options_.gradient_stats().every(),
+                  ", group_depth ", options_.gradient_stats().group_depth());
     if (options_.max_grad_norm()) {
       const double norm = *options_.max_grad_norm();
       MIXPREC_CHECK(norm > 0 && std::isfinite(norm),
@@ -308,9 +332,13 @@ class Trainer {
       data_parallel_->broadcast_from_rank0(*model_);
     }
     at::Tensor loss;
+    std::optional<NonFiniteOp> non_finite_op;
     {
+      std::optional<NonFiniteOpFinder> finder;
+      if (options_.find_non_finite_op()) finder.emplace();
       auto guard = autocast<P>(device_type_);
       loss = std::invoke(std::forward<LossFn>(loss_fn));
+      if (finder) non_finite_op = finder->first();
     }
     MIXPREC_CHECK(loss.defined(), "loss_fn returned an undefined tensor: return the loss");
     MIXPREC_CHECK(loss.numel() == 1, "loss_fn must return a scalar loss, got shape ",
@@ -328,6 +356,7 @@ class Trainer {
     const auto to_backprop = n > 1 ? loss32 / static_cast<double>(n) : loss32;
     StepReport report;
     report.scale = scaler_.get_scale();
+    report.non_finite_op = std::move(non_finite_op);
     // Data parallel: gradients travel during the backward pass of the last micro-batch only.
     const bool reduce = data_parallel_ && pending_ + 1 == n;
     if (data_parallel_) {
@@ -349,6 +378,11 @@ class Trainer {
       return report;
     }
     pending_ = 0;
+    const auto every = options_.gradient_stats().every();
+    if (every > 0 && (stats_.steps + 1) % every == 0) {
+      report.gradient_stats = gradient_stats(stats_.steps + 1, report.scale);
+      stats_.gradient_stats = report.gradient_stats;
+    }
     UnscaleOptions unscale;
     unscale.max_grad_norm(options_.max_grad_norm());
     if (masters_ && n == 1 && !data_parallel_) {
@@ -360,6 +394,7 @@ class Trainer {
     if (!loss_sum_.device().is_cpu() || !std::isfinite(loss_sum_.item<double>())) {
       unscale.also_check(loss_sum_);
     }
+    const auto losses = std::move(loss_sum_);
     loss_sum_ = at::Tensor();
     bool stepped = false;
     try {
@@ -389,7 +424,10 @@ class Trainer {
       at::autocast::clear_cache();
     }
     ++stats_.steps;
-    if (!stepped) ++stats_.skipped_steps;
+    if (!stepped) {
+      ++stats_.skipped_steps;
+      report.overflow = find_overflow(losses);
+    }
     report.status = stepped ? StepStatus::stepped : StepStatus::skipped;
     report.step = stats_.steps;
     notify(report);
@@ -568,6 +606,76 @@ class Trainer {
     } catch (const std::exception& e) {
       detail::fail("cannot write checkpoint '", path, "': ", detail::message_of(e));
     }
+  }
+
+  // The tensors that hold each model tensor's gradient at the end of the backward pass, still
+  // scaled: under MixedO2 with accumulation or data parallel the master's, else the model's own.
+  at::Tensor scaled_gradient(const at::Tensor& p) const {
+    if (masters_ && (options_.accumulation_steps() > 1 || data_parallel_)) {
+      const auto master = masters_->master_of(p);
+      if (master.defined()) return master.grad();
+    }
+    return p.grad();
+  }
+
+  // Each model tensor once, by its first name in the model.
+  std::vector<std::pair<std::string, at::Tensor>> named_unique_params() const {
+    std::vector<std::pair<std::string, at::Tensor>> result;
+    std::unordered_set<const void*> seen;
+    for (const auto& item : model_->named_parameters()) {
+      if (seen.insert(item.value().unsafeGetTensorImpl()).second) {
+        result.emplace_back(item.key(), item.value());
+      }
+    }
+    return result;
+  }
+
+  GradientStats gradient_stats(std::int64_t step, double scale) const {
+    std::vector<std::string> names;
+    std::vector<at::Tensor> grads;
+    for (const auto& [name, p] : named_unique_params()) {
+      const auto grad = scaled_gradient(p);
+      if (!grad.defined()) continue;
+      names.push_back(detail::name_prefix(name, options_.gradient_stats().group_depth()));
+      grads.push_back(grad);
+    }
+    auto ranges = detail::gradient_ranges(grads, scale);
+    for (std::size_t i = 0; i < ranges.size(); ++i) ranges[i].name = std::move(names[i]);
+    GradientStats stats;
+    stats.step = step;
+    stats.scale = scale;
+    stats.entries = detail::merge_ranges(std::move(ranges));
+    return stats;
+  }
+
+  // A skipped step's second pass: which of the loss and the gradients held inf/NaN. After the
+  // unscale pass a non-finite gradient is still non-finite, in the model's gradient and, under
+  // MixedO2, in the master's: both are read.
+  Overflow find_overflow(const at::Tensor& losses) const {
+    Overflow overflow;
+    overflow.loss = losses.defined() && !std::isfinite(losses.item<double>());
+    std::vector<std::string> names;
+    std::vector<at::Tensor> grads;
+    std::vector<std::size_t> owner;  // index into names of each gradient read
+    for (const auto& [name, p] : named_unique_params()) {
+      const auto master = masters_ ? masters_->master_of(p) : at::Tensor();
+      for (const auto& grad : {p.grad(), master.defined() ? master.grad() : at::Tensor()}) {
+        if (!grad.defined()) continue;
+        owner.push_back(names.size());
+        grads.push_back(grad);
+      }
+      names.push_back(name);
+    }
+    const auto flags = detail::non_finite_flags(grads);
+    std::vector<bool> bad(names.size(), false);
+    for (std::size_t i = 0; i < flags.size(); ++i) bad[owner[i]] = bad[owner[i]] || flags[i];
+    for (std::size_t i = 0; i < names.size(); ++i) {
+      if (!bad[i]) continue;
+      ++overflow.param_count;
+      if (overflow.params.size() < Overflow::max_names) overflow.params.push_back(names[i]);
+    }
+    overflow.other_rank = data_parallel_ && !overflow.loss && overflow.param_count == 0;
+    return overflow;
   }
 
   void zero_grads() {

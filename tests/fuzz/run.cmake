@@ -52,6 +52,11 @@ string(REGEX MATCHALL "#[0-9]+: cov: [0-9]+ ft: [0-9]+ corp: [0-9]+ exec/s:? [0-
        _lines "${_log}")
 list(GET _lines -1 _last)
 message(STATUS "fuzz_${TARGET}, ${SECONDS} s: ${_last}")
+# Fork mode exits with the code of its last job, so a run whose last job ran out of memory (an
+# ignored OOM, libFuzzer's exit code 71) ends in 71 with no crash and no hang in its counts.
+if(_rc EQUAL 71 AND _last MATCHES "oom/timeout/crash: [1-9][0-9]*/0/0$")
+  set(_rc 0)
+endif()
 if(NOT _rc EQUAL 0 OR NOT _last MATCHES "oom/timeout/crash: [0-9]+/0/0$")
   message(FATAL_ERROR "fuzz_${TARGET} found a failure (exit ${_rc}); inputs in ${_artifacts}\n${_log}")
 endif()
