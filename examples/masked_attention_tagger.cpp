@@ -8,6 +8,7 @@
 // epsilon) is what silently breaks here; see docs/numerics.md.
 //
 //   masked_attention_tagger [--steps N] [--smoke]   exits 1 unless the test accuracy > 0.85
+//   masked_attention_tagger --advise                mixprec::advise's verdict on the model
 
 #include <mixprec/mixprec.hpp>
 
@@ -57,11 +58,16 @@ struct TaggerImpl : torch::nn::Module {
     auto x = embedding->forward(tokens);
     // Garbage in the padding: masked positions must never matter.
     x = x.masked_fill(~mask.unsqueeze(-1), 1e4);
-    const auto scores = torch::matmul(query->forward(x), key->forward(x).transpose(1, 2)) * scale;
-    const auto n = tokens.size(1);
-    const auto keys = mask.unsqueeze(1) & ~torch::eye(n, at::kBool).unsqueeze(0);  // not itself
-    const auto attention = ops::masked_softmax<Policy>(scores, keys);
-    const auto context = torch::matmul(attention, value->forward(x));
+    at::Tensor context;
+    {
+      // Names the ops between the layers for mixprec::advise (and LibTorch's profiler).
+      mixprec::NamedScope scope("attention");
+      const auto scores = torch::matmul(query->forward(x), key->forward(x).transpose(1, 2)) * scale;
+      const auto n = tokens.size(1);
+      const auto keys = mask.unsqueeze(1) & ~torch::eye(n, at::kBool).unsqueeze(0);  // not itself
+      const auto attention = ops::masked_softmax<Policy>(scores, keys);
+      context = torch::matmul(attention, value->forward(x));
+    }
     return out->forward(torch::relu(hidden->forward(torch::cat({x, context}, -1))));
   }
 
@@ -75,14 +81,17 @@ TORCH_MODULE(Tagger);
 
 int main(int argc, char** argv) {
   int steps = 400;
+  bool advise = false;
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
     if (arg == "--steps" && i + 1 < argc) {
       steps = std::atoi(argv[++i]);
     } else if (arg == "--smoke") {
       steps = 150;
+    } else if (arg == "--advise") {
+      advise = true;
     } else {
-      std::cerr << "usage: " << argv[0] << " [--steps N] [--smoke]\n";
+      std::cerr << "usage: " << argv[0] << " [--steps N] [--smoke] [--advise]\n";
       return 2;
     }
   }
@@ -94,6 +103,15 @@ int main(int argc, char** argv) {
   torch::manual_seed(0);
   auto generator = torch::make_generator<at::CPUGeneratorImpl>(1);
   Tagger tagger(32);
+  if (advise) {  // before the Trainer casts the model: the advisor measures it in fp32
+    const auto advice = mixprec::advise(tagger, [&] {
+      const auto batch = make_batch(32, generator);
+      return ops::sequence_cross_entropy_with_logits<Policy>(
+          tagger->forward(batch.tokens, batch.mask), batch.tags, batch.mask, ops::Average::token);
+    });
+    std::cout << advice;
+    return 0;
+  }
   torch::optim::Adam adam(tagger->parameters(), torch::optim::AdamOptions(3e-3));
   mixprec::Trainer<Policy> trainer(tagger, adam, mixprec::TrainerOptions().max_grad_norm(1.0));
 

@@ -495,3 +495,77 @@ TEST_CASE("catalogue: bad op arguments are Errors that leave the inputs alone") 
     }
   }
 }
+
+TEST_CASE("catalogue: bad diagnostics calls are Errors that leave the model alone") {
+  struct DiagnosticsRow {
+    const char* input;
+    const char* excerpt;
+    std::function<void(std::shared_ptr<Net>&, torch::optim::Adam&)> call;
+  };
+  const auto loss_of = [](const std::shared_ptr<Net>& net) {
+    return [net] { return net->forward(torch::ones({4, 6})).square().mean(); };
+  };
+  const std::vector<DiagnosticsRow> rows = {
+      {"gradient_stats every(-1)", "every and group_depth must be >= 0",
+       [](auto& net, auto& adam) {
+         mp::Trainer<mp::MixedO2<at::BFloat16>>(
+             net, adam, mp::TrainerOptions().gradient_stats(mp::GradientStatsOptions().every(-1)));
+       }},
+      {"gradient_stats group_depth(-1)", "every and group_depth must be >= 0",
+       [](auto& net, auto& adam) {
+         mp::Trainer<mp::MixedO2<at::BFloat16>>(
+             net, adam,
+             mp::TrainerOptions().gradient_stats(mp::GradientStatsOptions().every(1).group_depth(-1)));
+       }},
+      {"find_non_finite_op inside a NonFiniteOpFinder", "already active on this thread",
+       [](auto& net, auto& adam) {
+         mp::Trainer<mp::FullPrecision> trainer(net, adam,
+                                                mp::TrainerOptions().find_non_finite_op(true));
+         mp::NonFiniteOpFinder outer;
+         trainer.step([&] { return net->forward(torch::ones({4, 6})).square().mean(); });
+       }},
+      {"advise() with steps(0)", "steps must be >= 1",
+       [&](auto& net, auto&) { mp::advise(net, loss_of(net), mp::AdviseOptions().steps(0)); }},
+      {"advise() with headroom(0.5)", "headroom must be finite and >= 1",
+       [&](auto& net, auto&) { mp::advise(net, loss_of(net), mp::AdviseOptions().headroom(0.5)); }},
+      {"advise() with underflow_tolerance(1)", "underflow_tolerance must be in [0, 1)",
+       [&](auto& net, auto&) {
+         mp::advise(net, loss_of(net), mp::AdviseOptions().underflow_tolerance(1));
+       }},
+      {"advise() with a loss_fn that returns a non-scalar", "must return a scalar loss",
+       [](auto& net, auto&) { mp::advise(net, [&] { return net->forward(torch::ones({4, 6})); }); }},
+      {"advise() of a model a Trainer has cast", "call it before a Trainer casts the model",
+       [&](auto&, auto&) {
+         const auto rng = at::detail::getDefaultCPUGenerator().get_state();
+         auto other = std::make_shared<Net>();
+         restore_rng(rng);
+         torch::optim::Adam adam(other->parameters(), torch::optim::AdamOptions(1e-2));
+         mp::Trainer<mp::MixedO2<at::BFloat16>> trainer(other, adam);
+         mp::advise(other, loss_of(other));
+       }},
+      {"advise() inside a NonFiniteOpFinder", "already active on this thread",
+       [&](auto& net, auto&) {
+         mp::NonFiniteOpFinder outer;
+         mp::advise(net, loss_of(net));
+       }},
+  };
+  for (const auto& row : rows) {
+    SUBCASE(row.input) {
+      torch::manual_seed(55);
+      auto net = std::make_shared<Net>();
+      torch::optim::Adam adam(net->parameters(), torch::optim::AdamOptions(1e-2));
+      const auto params = test::snapshot(net->parameters());
+      const auto buffers = test::snapshot(net->buffers());
+      const auto rng = at::detail::getDefaultCPUGenerator().get_state();
+      CHECK_THROWS_WITH_AS(row.call(net, adam), doctest::Contains(row.excerpt), mp::Error);
+      CHECK(test::identical(test::snapshot(net->parameters()), params));
+      CHECK(test::identical(test::snapshot(net->buffers()), buffers));
+      CHECK(torch::equal(at::detail::getDefaultCPUGenerator().get_state(), rng));
+      for (const auto& p : net->parameters()) CHECK_FALSE(p.grad().defined());
+      CHECK(adam.state().empty());
+      // The thread is free for a finder, and the model for a Trainer.
+      mp::NonFiniteOpFinder finder;
+      CHECK_FALSE(finder.first().has_value());
+    }
+  }
+}

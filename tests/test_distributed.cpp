@@ -312,6 +312,13 @@ void case_local_nan(Rank& r) {
       return loss;
     });
     RANK_EXPECT((report.status == mp::StepStatus::skipped) == (k == 2), "step " << k);
+    RANK_EXPECT(report.overflow.has_value() == (k == 2), "step " << k);
+    if (report.overflow) {
+      // Rank 0 finds its own loss; the others find nothing of theirs and say so.
+      RANK_EXPECT(report.overflow->loss == (r.rank == 0), "");
+      RANK_EXPECT(report.overflow->other_rank == (r.rank != 0), "");
+      RANK_EXPECT(report.overflow->param_count == 0, report.overflow->param_count);
+    }
   }
   RANK_EXPECT(trainer.stats().skipped_steps == 1, "");
 }
@@ -339,6 +346,11 @@ void case_overflow(Rank& r) {
     const auto report = trainer.step([&] { return loss_of(trainer, net, b); });
     history.push_back(report.stepped() ? 1.0 : 0.0);
     history.push_back(report.scale);
+    // The averaged gradients are the same everywhere: so are the parameters named.
+    RANK_EXPECT(report.stepped() || (report.overflow && report.overflow->param_count > 0 &&
+                                     !report.overflow->other_rank),
+                "step " << k);
+    history.push_back(report.overflow ? static_cast<double>(report.overflow->param_count) : -1.0);
   }
   const auto stats = trainer.stats();
   std::cerr << "rank " << r.rank << ": " << stats.skipped_steps << " of " << stats.steps

@@ -323,14 +323,16 @@ TEST_CASE("examples_support: command-line values, aliases and errors") {
                   fm::CliError);
   const std::string help = fm::usage("demo");
   for (const char* flag : {"--epochs", "--train-size", "--policy", "--device", "--output", "--seed",
-                           "--smoke", "--help", "dataset-fashion-mnist"}) {
+                           "--smoke", "--help", "--advise", "--gradient-stats",
+                           "dataset-fashion-mnist"}) {
     CHECK(contains(help, flag));
   }
 }
 
 TEST_CASE("examples_support: the child's arguments reproduce the parent's settings") {
   fm::Config parent = fm::parse_args({"--smoke", "--seed", "9", "--lr", "0.0123456789", "--data",
-                                      "/some dir", "--batch-size", "16", "--dtype", "bf16"});
+                                      "/some dir", "--batch-size", "16", "--dtype", "bf16",
+                                      "--gradient-stats", "25"});
   const auto args = fm::child_args(parent, "MixedO1", "/tmp/result");
   const fm::Config child = fm::parse_args(args);
   CHECK(child.policy == "MixedO1");
@@ -345,6 +347,7 @@ TEST_CASE("examples_support: the child's arguments reproduce the parent's settin
   CHECK(child.dtype == parent.dtype);
   CHECK(child.data_dir == parent.data_dir);
   CHECK(child.output == "none");
+  CHECK(child.gradient_stats == 25);
 }
 
 TEST_CASE("examples_support: progress bar pieces") {

@@ -40,6 +40,8 @@ struct Config {
   std::string data_dir = "/usr/share/datasets/fashion-mnist";
   bool smoke = false;
   bool help = false;
+  bool advise = false;               // print mixprec::advise for the CNN and exit
+  std::int64_t gradient_stats = 0;   // log fp16's view of the gradients every N steps (0: off)
   std::string result_file;  // internal: set, the process trains one policy and writes here
 };
 
@@ -76,6 +78,11 @@ options:
   --seed N           seed of the model initialisation and the data order (default 42)
   --data DIR         directory of the four *-ubyte.gz files (default
                      /usr/share/datasets/fashion-mnist: Debian package dataset-fashion-mnist)
+  --advise           print mixprec::advise's verdict for the CNN (3 fp32 steps on the first
+                     batches: layer ranges, fp16/bf16 safety, loss-scale range, recommended
+                     policy) and exit without training
+  --gradient-stats N log, every N steps, the share of each layer's gradient elements that fp16
+                     flushes to zero or overflows at the loss scale (default 0: off)
   --smoke            tiny run for CI (512 training images, 1000 test images, 2 epochs unless
                      given); fails unless every policy beats chance (accuracy > 0.3)
   -h, --help         this text
@@ -157,6 +164,11 @@ inline Config parse_args(const std::vector<std::string>& args) {
     } else if (arg == "--smoke") {
       no_value();
       config.smoke = true;
+    } else if (arg == "--advise") {
+      no_value();
+      config.advise = true;
+    } else if (arg == "--gradient-stats") {
+      config.gradient_stats = detail::parse_integer<std::int64_t>(arg, value(), 0);
     } else if (arg == "--epochs") {
       epochs = detail::parse_integer<int>(arg, value(), 1);
     } else if (arg == "--train-size") {
@@ -234,6 +246,7 @@ inline std::vector<std::string> child_args(const Config& config, std::string_vie
           "--dtype",       config.dtype,
           "--data",        config.data_dir,
           "--output",      "none",
+          "--gradient-stats", std::to_string(config.gradient_stats),
           "--result-file", std::string(result_file)};
 }
 

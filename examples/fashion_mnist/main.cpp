@@ -29,6 +29,7 @@
 #include <numeric>
 #include <optional>
 #include <random>
+#include <sstream>
 #include <string>
 #include <string_view>
 #include <type_traits>
@@ -107,13 +108,23 @@ fm::PolicyResult run_policy(const fm::Config& config, const Data& data) {
   fm::ProgressBar bar(std::cerr, name, total_steps, fm::stderr_is_terminal());
 
   mixprec::TrainerOptions options;
-  // Skips reach the program's own log: the library never prints.
+  // Skips reach the program's own log, with where the inf/NaN was: the library never prints.
   options.on_step([&](const mixprec::StepReport& report) {
-    if (report.status == mixprec::StepStatus::skipped) {
-      bar.message(name + ": step " + std::to_string(report.step) +
-                  " skipped (inf/NaN gradients) at loss scale " + fixed(report.scale, 1));
+    if (report.overflow) {
+      std::ostringstream where;
+      where << *report.overflow;
+      bar.message(name + ": step " + std::to_string(report.step) + " skipped at loss scale " +
+                  fixed(report.scale, 1) + ": " + where.str());
+    }
+    if (report.gradient_stats) {
+      std::ostringstream table;
+      table << *report.gradient_stats;
+      bar.message(name + ": " + table.str().substr(0, table.str().size() - 1));
     }
   });
+  // Per layer ("conv1", "bn1", ...): the parameters' counts summed.
+  options.gradient_stats(
+      mixprec::GradientStatsOptions().every(config.gradient_stats).group_depth(1));
   if constexpr (std::is_same_v<typename Policy::scaler_type, mixprec::GradScaler>) {
     // Above PyTorch's 2^16 and growing every 250 clean steps (PyTorch: 2000), so that the few
     // thousand steps of the demo show the dynamic scale at work: backoffs first, growth later.
@@ -357,9 +368,32 @@ void write_plot(const fm::Config& config, const std::vector<fm::PolicyResult>& r
   }
 }
 
+/// --advise: mixprec::advise on the CNN, fp32, the first three training batches.
+int run_advise(const fm::Config& config) {
+  const torch::Device device(config.device == "cuda" ? torch::kCUDA : torch::kCPU);
+  const auto train = fm::load_split(config.data_dir, "train",
+                                    std::min<std::int64_t>(config.train_size, 3 * config.batch_size));
+  torch::manual_seed(config.seed);
+  Net model;
+  model->to(device);
+  std::int64_t batch = 0;
+  const auto advice = mixprec::advise(model, [&] {
+    const std::int64_t first = (batch++ * config.batch_size) % train.size();
+    const std::int64_t n = std::min(config.batch_size, train.size() - first);
+    const auto x = fm::standardize(train.images.narrow(0, first, n)).to(device);
+    const auto y = train.labels.narrow(0, first, n).to(device);
+    return torch::nn::functional::cross_entropy(model->forward(x), y);
+  });
+  std::cout << "Fashion-MNIST CNN, batch " << config.batch_size << ", seed " << config.seed
+            << ", device " << config.device << ", LibTorch " << TORCH_VERSION << "\n"
+            << advice;
+  return 0;
+}
+
 /// Parent mode: one child per policy, then the table, the plot and (with --smoke) the check.
 int run_parent(const fm::Config& config) {
   fm::check_data_files(config.data_dir);
+  if (config.advise) return run_advise(config);
   if (config.device == "cuda" && !torch::cuda::is_available()) {
     throw std::runtime_error("--device cuda: this LibTorch has no CUDA device available");
   }

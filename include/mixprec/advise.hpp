@@ -174,7 +174,11 @@ class LayerRecorder : OpObserver {
   LayerRecorder(std::unordered_map<const void*, std::string> layer_of,
                 const std::vector<at::Tensor>& params)
       : layer_of_(std::move(layer_of)) {
-    for (const auto& p : params) storage_of_.insert(p.storage().unsafeGetStorageImpl());
+    for (const auto& p : params) {
+      storage_of_.insert(p.storage().unsafeGetStorageImpl());
+      layer_of_storage_.try_emplace(p.storage().unsafeGetStorageImpl(),
+                                    layer_of_.at(p.unsafeGetTensorImpl()));
+    }
   }
 
   struct Activations {
@@ -189,6 +193,7 @@ class LayerRecorder : OpObserver {
   // Each running op: whether it is outermost, and the layer whose parameters it read.
   struct Running {
     bool outermost = false;
+    bool known_inputs = true;
     std::string layer;
   };
 
@@ -200,12 +205,18 @@ class LayerRecorder : OpObserver {
     Running op;
     op.outermost = depth_++ == 0;
     if (op.outermost) {
-      if (const auto inputs = inputs_of(fn)) {
-        for (const auto& t : *inputs) {
-          if (const auto it = layer_of_.find(t.unsafeGetTensorImpl()); it != layer_of_.end()) {
-            op.layer = it->second;
-            break;
-          }
+      const auto inputs = inputs_of(fn);
+      op.known_inputs = inputs.has_value();
+      for (const auto& t : inputs.value_or(std::vector<at::Tensor>{})) {
+        // The parameter itself, or a view of it (F::linear's weight.t() on 3-d input).
+        if (const auto it = layer_of_.find(t.unsafeGetTensorImpl()); it != layer_of_.end()) {
+          op.layer = it->second;
+          break;
+        }
+        const auto view = layer_of_storage_.find(t.storage().unsafeGetStorageImpl());
+        if (view != layer_of_storage_.end()) {
+          op.layer = view->second;
+          break;
         }
       }
     }
@@ -229,7 +240,7 @@ class LayerRecorder : OpObserver {
     });
     if (outputs.empty()) return;
     // Without the inputs (see inputs_of): a parameter the output was computed from directly.
-    if (op.layer.empty()) op.layer = layer_in_graph(outputs);
+    if (op.layer.empty() && !op.known_inputs) op.layer = layer_in_graph(outputs);
     if (op.layer.empty()) {
       // An op of the model's computation that reads no parameter: its output requires grad.
       // (The data's own ops, such as making the batch, do not.)
@@ -261,10 +272,20 @@ class LayerRecorder : OpObserver {
   }
 
   // The layer of a parameter whose gradient accumulator is an input of an output's grad_fn,
-  // directly or through nodes of one input (a transpose, a view); "" if none.
+  // directly or through a view or cast of it (F::linear's weight.t()); "" if none.
+  static bool view_or_cast(const torch::autograd::Node& node) {
+    const auto name = node.name();
+    for (const char* prefix : {"TBackward", "TransposeBackward", "PermuteBackward", "ViewBackward",
+                               "UnsafeViewBackward", "ReshapeAliasBackward", "ExpandBackward",
+                               "ToCopyBackward", "AliasBackward", "UnsqueezeBackward",
+                               "SqueezeBackward"}) {
+      if (name.rfind(prefix, 0) == 0) return true;
+    }
+    return false;
+  }
   std::string layer_in_graph(const std::vector<at::Tensor>& outputs) const {
     for (const auto& t : outputs) {
-      const auto& grad_fn = t.grad_fn();
+      const auto grad_fn = t.grad_fn();
       if (!grad_fn) continue;
       for (const auto& edge : grad_fn->next_edges()) {
         auto* node = edge.function.get();
@@ -274,7 +295,7 @@ class LayerRecorder : OpObserver {
             if (it != layer_of_.end()) return it->second;
             break;
           }
-          if (node->next_edges().size() != 1) break;
+          if (!view_or_cast(*node) || node->next_edges().empty()) break;
           node = node->next_edges().front().function.get();
         }
       }
@@ -292,6 +313,7 @@ class LayerRecorder : OpObserver {
 
   std::unordered_map<const void*, std::string> layer_of_;
   std::unordered_set<const void*> storage_of_;  // the parameters' storages
+  std::unordered_map<const void*, std::string> layer_of_storage_;  // their layers
   std::vector<std::string> scopes_;
   std::vector<Running> running_;
   std::int64_t depth_ = 0;

@@ -50,19 +50,29 @@ struct Overflow {
   std::vector<std::string> params;
   /// How many parameters' gradients held inf or NaN in all.
   std::int64_t param_count = 0;
+  /// How many parameters had gradients to check.
+  std::int64_t checked = 0;
   /// Data parallel: neither was found on this rank; another rank's loss was inf/NaN (gradients
   /// are averaged, so another rank's inf/NaN gradient is found on every rank).
   bool other_rank = false;
 };
 
-/// "inf/NaN in the loss and in the gradients of 3 parameters: fc.weight, fc.bias, out.weight".
+/// "inf/NaN in the loss and in the gradients of 3 parameters: fc.weight, fc.bias, out.weight";
+/// "inf/NaN in the gradients of all 8 parameters (...): conv1.weight, ...".
 inline std::ostream& operator<<(std::ostream& out, const Overflow& o) {
   out << "inf/NaN";
   if (o.other_rank) return out << " on another rank (its loss)";
   if (o.loss) out << " in the loss";
   if (o.param_count > 0) {
-    out << (o.loss ? " and" : "") << " in the gradients of " << o.param_count
-        << (o.param_count == 1 ? " parameter: " : " parameters: ");
+    out << (o.loss ? " and" : "") << " in the gradients of ";
+    if (o.param_count == o.checked && o.param_count > 1 && !o.loss) {
+      // The usual signature of an activation gradient that overflowed: the backward pass
+      // carries it into every layer below.
+      out << "all " << o.param_count << " parameters (an overflow in the backward pass reaches "
+          << "every layer it passes): ";
+    } else {
+      out << o.param_count << (o.param_count == 1 ? " parameter: " : " parameters: ");
+    }
     for (std::size_t i = 0; i < o.params.size(); ++i) out << (i ? ", " : "") << o.params[i];
     if (static_cast<std::int64_t>(o.params.size()) < o.param_count) out << ", ...";
   }
@@ -359,11 +369,18 @@ struct TensorSummary {
   std::int64_t non_finite = 0;  ///< inf and NaN elements
 };
 
-/// "Half[8, 4] in [-3, 900]", "Half[8, 16] in [-1e+03, 6e+04], 12 inf/NaN".
+/// "Half[8, 4] in [-3, 900]", "Half[8, 16] in [-1e+03, 6e+04], 12 inf/NaN", "Half[3, 8] all
+/// inf/NaN".
 inline std::ostream& operator<<(std::ostream& out, const TensorSummary& t) {
   out << c10::toString(t.dtype) << '[';
-  for (std::size_t i = 0; i < t.sizes.size(); ++i) out << (i ? ", " : "") << t.sizes[i];
-  out << "] in [" << t.min << ", " << t.max << ']';
+  std::int64_t elements = 1;
+  for (std::size_t i = 0; i < t.sizes.size(); ++i) {
+    out << (i ? ", " : "") << t.sizes[i];
+    elements *= t.sizes[i];
+  }
+  out << ']';
+  if (t.non_finite > 0 && t.non_finite == elements) return out << " all inf/NaN";
+  out << " in [" << t.min << ", " << t.max << ']';
   if (t.non_finite > 0) out << ", " << t.non_finite << " inf/NaN";
   return out;
 }
@@ -453,7 +470,12 @@ class NonFiniteOpFinder : detail::OpObserver {
       if (!bad) return;
       NonFiniteOp found;
       found.op = op.name;
-      for (const auto& outer : ops_) found.within.push_back(outer.name);
+      // Outermost first; an op that calls itself again (autocast's kernel casts the inputs and
+      // redispatches) is named once.
+      for (std::size_t i = 0; i < ops_.size(); ++i) {
+        const auto& inner = i + 1 < ops_.size() ? ops_[i + 1].name : op.name;
+        if (ops_[i].name != inner) found.within.push_back(ops_[i].name);
+      }
       found.scopes = scopes_;
       found.known_inputs = op.known_inputs;
       for (const auto& t : op.inputs) found.inputs.push_back(summary(t));

@@ -659,11 +659,14 @@ class Trainer {
     std::vector<std::size_t> owner;  // index into names of each gradient read
     for (const auto& [name, p] : named_unique_params()) {
       const auto master = masters_ ? masters_->master_of(p) : at::Tensor();
+      bool has_grad = false;
       for (const auto& grad : {p.grad(), master.defined() ? master.grad() : at::Tensor()}) {
         if (!grad.defined()) continue;
         owner.push_back(names.size());
         grads.push_back(grad);
+        has_grad = true;
       }
+      overflow.checked += has_grad ? 1 : 0;
       names.push_back(name);
     }
     const auto flags = detail::non_finite_flags(grads);

@@ -150,6 +150,89 @@ struct LoadRig {
   }
 };
 
+// Whether every pickle of a zip archive asks LibTorch's unpickler for memory its bytes can
+// justify. The unpickler trusts what it reads: a memo index (LONG_BINPUT) of 2^31 grows its memo
+// table to 32 GB, a string length of 2^32 reserves 4 GB, before anything is checked. An
+// allocation beyond the machine's memory aborts AddressSanitizer itself (operator new reports
+// out-of-memory even with allocator_may_return_null), which libFuzzer must count as a crash.
+// That is LibTorch's unpickler (docs/reliability.md), not mixprec's code, so such inputs are
+// passed over, in the harness: a memo index or a length larger than the pickle itself. An
+// archive LibTorch cannot open, or a pickle that stops at an opcode the walk does not know,
+// passes: LibTorch refuses it before it allocates.
+bool pickle_fits(const std::uint8_t* p, std::size_t size) {
+  std::size_t i = 0;
+  auto number = [&](std::size_t bytes) {  // little-endian; nullopt past the end
+    std::optional<std::uint64_t> value;
+    if (size - i < bytes) return value;
+    std::uint64_t v = 0;
+    for (std::size_t k = 0; k < bytes; ++k) v |= std::uint64_t{p[i + k]} << (8 * k);
+    i += bytes;
+    value = v;
+    return value;
+  };
+  auto skip_line = [&] {
+    while (i < size && p[i] != '\n') ++i;
+    if (i < size) ++i;
+  };
+  while (i < size) {
+    const std::uint8_t op = p[i++];
+    std::size_t fixed = 0;     // argument bytes
+    std::size_t length = 0;    // bytes of a length prefix, followed by that many bytes
+    switch (op) {
+      case 'r': {  // LONG_BINPUT: the memo table grows to the index
+        const auto id = number(4);
+        if (!id) return true;
+        if (*id > size) return false;
+        continue;
+      }
+      case '(': case '.': case '0': case '1': case '2': case 'N': case 'Q': case 'R': case 'a':
+      case 'b': case 'd': case '}': case 'e': case 'l': case ']': case 'o': case 's': case 't':
+      case ')': case 'u': case 0x81: case 0x85: case 0x86: case 0x87: case 0x88: case 0x89:
+      case 0x8f: case 0x90: case 0x91: case 0x92: case 0x93: case 0x94: case 0x97: case 0x98:
+        break;
+      case 0x80: case 'K': case 'h': case 'q': case 0x82: fixed = 1; break;
+      case 'M': case 0x83: fixed = 2; break;
+      case 'J': case 'j': case 0x84: fixed = 4; break;
+      case 'G': case 0x95: fixed = 8; break;
+      case 'U': case 'C': case 0x8a: case 0x8c: length = 1; break;
+      case 'T': case 'X': case 'B': case 0x8b: length = 4; break;
+      case 0x8d: case 0x8e: case 0x96: length = 8; break;
+      case 'F': case 'I': case 'L': case 'P': case 'S': case 'V': case 'g': case 'p':
+        skip_line();
+        break;
+      case 'c': case 'i':
+        skip_line();
+        skip_line();
+        break;
+      default:
+        return true;  // the unpickler stops here too: "unknown opcode"
+    }
+    if (fixed > 0 && !number(fixed)) return true;
+    if (length > 0) {
+      const auto n = number(length);
+      if (!n) return true;
+      if (*n > size - i) return false;  // a length beyond the pickle: reserved before the read
+      i += static_cast<std::size_t>(*n);
+    }
+  }
+  return true;
+}
+
+bool pickles_fit(const void* data, std::size_t size) {
+  try {
+    caffe2::serialize::PyTorchStreamReader reader(
+        std::make_shared<caffe2::serialize::MemoryReadAdapter>(data, static_cast<off_t>(size)));
+    for (const auto& name : reader.getAllRecords()) {
+      if (name.size() < 4 || name.compare(name.size() - 4, 4, ".pkl") != 0) continue;
+      const auto [record, bytes] = reader.getRecord(name);
+      if (!pickle_fits(static_cast<const std::uint8_t*>(record.get()), bytes)) return false;
+    }
+  } catch (const std::exception&) {
+    // LibTorch cannot read the archive: it will refuse it the same way.
+  }
+  return true;
+}
+
 LoadRig* load_rig = nullptr;
 std::string load_path;
 
@@ -187,6 +270,7 @@ int fuzz_trainer_load(const std::uint8_t* data, std::size_t size) {
   if (size < 1) return 0;
   const bool forge = (data[0] & 1) != 0 && std::getenv("MIXPREC_FUZZ_RAW_ONLY") == nullptr;
   if (forge) {
+    if (!pickles_fit(data + 1, size - 1)) return 0;
     const auto file = with_trailer(data + 1, size - 1);
     write_file(load_path, file.data(), file.size());
   } else {
@@ -229,6 +313,7 @@ std::string scaler_state(const mp::GradScaler& s) {
 // names, so torch::pickle_load of damaged bytes reads out of bounds and crashes (found by this
 // target; docs/reliability.md). MIXPREC_FUZZ_PICKLE_LOAD=1 calls torch::pickle_load itself.
 c10::IValue pickle_load(const std::vector<char>& bytes) {
+  if (!pickles_fit(bytes.data(), bytes.size())) return c10::IValue();  // not a dict: skipped
   if (std::getenv("MIXPREC_FUZZ_PICKLE_LOAD") != nullptr) return torch::pickle_load(bytes);
   caffe2::serialize::PyTorchStreamReader reader(std::make_shared<caffe2::serialize::MemoryReadAdapter>(
       bytes.data(), static_cast<off_t>(bytes.size())));

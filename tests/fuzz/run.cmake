@@ -35,7 +35,10 @@ file(REMOVE_RECURSE ${_corpus} ${_artifacts})
 file(MAKE_DIRECTORY ${_corpus} ${_artifacts})
 set(_env ${CMAKE_COMMAND} -E env OMP_NUM_THREADS=1
     "LSAN_OPTIONS=suppressions=${CMAKE_CURRENT_LIST_DIR}/lsan.supp"
-    "UBSAN_OPTIONS=print_stacktrace=1")
+    "UBSAN_OPTIONS=print_stacktrace=1"
+    # A malloc that cannot be served returns null (LibTorch's allocator then throws) rather than
+    # aborting; operator new still aborts, which harness.cpp's pickles_fit keeps inputs from.
+    "ASAN_OPTIONS=allocator_may_return_null=1")
 # The seeds: LLVMFuzzerInitialize writes them where MIXPREC_FUZZ_SEEDS points; -runs=0 stops there.
 execute_process(COMMAND ${_env} MIXPREC_FUZZ_SEEDS=${_corpus} ${_binary} -runs=0
                 RESULT_VARIABLE _rc OUTPUT_QUIET ERROR_VARIABLE _seed_log)
