@@ -295,15 +295,18 @@ class OpObserver {
            op == "aten::_empty_affine_quantized" || op == "aten::_empty_per_channel_affine_quantized";
   }
 
-  /// An op's floating-point inputs, in a start callback; nullopt where LibTorch will not give
-  /// them: RecordFunction::inputs() asserts in a program built without NDEBUG against a release
-  /// LibTorch (the flag it checks is set by LibTorch's own debug builds only).
+  /// An op's floating-point inputs, in a start callback; nullopt in a program built without
+  /// NDEBUG. There RecordFunction::inputs() checks a flag that only LibTorch's own debug builds
+  /// have (1.13 and 2.x alike): against a release LibTorch it would read a byte of padding, so
+  /// it is not called. The finder then reports the inputs as unknown; advise() finds the layers
+  /// through the autograd graph.
   static std::optional<std::vector<at::Tensor>> inputs_of(const at::RecordFunction& fn) {
-    try {
-      return float_tensors(fn.inputs());
-    } catch (const c10::Error&) {
-      return std::nullopt;
-    }
+#ifdef NDEBUG
+    return float_tensors(fn.inputs());
+#else
+    (void)fn;
+    return std::nullopt;
+#endif
   }
 
   /// The floating-point tensors of an op's inputs or outputs (tensor lists flattened).
