@@ -185,7 +185,9 @@ bool pickle_fits(const std::uint8_t* p, std::size_t size) {
         if (*id > size) return false;
         continue;
       }
-      case '(': case '.': case '0': case '1': case '2': case 'N': case 'Q': case 'R': case 'a':
+      case '.':
+        return true;  // STOP: the end of the pickle
+      case '(': case '0': case '1': case '2': case 'N': case 'Q': case 'R': case 'a':
       case 'b': case 'd': case '}': case 'e': case 'l': case ']': case 'o': case 's': case 't':
       case ')': case 'u': case 0x81: case 0x85: case 0x86: case 0x87: case 0x88: case 0x89:
       case 0x8f: case 0x90: case 0x91: case 0x92: case 0x93: case 0x94: case 0x97: case 0x98:
@@ -218,17 +220,19 @@ bool pickle_fits(const std::uint8_t* p, std::size_t size) {
   return true;
 }
 
+// Each pickle of a zip archive starts after a local file header ("PK\3\4", name length at
+// offset 26, extra length at 28) whose name ends in ".pkl"; LibTorch stores them uncompressed.
+// Every such header is walked, whatever the central directory says, up to the pickle's STOP.
 bool pickles_fit(const void* data, std::size_t size) {
-  try {
-    caffe2::serialize::PyTorchStreamReader reader(
-        std::make_shared<caffe2::serialize::MemoryReadAdapter>(data, static_cast<off_t>(size)));
-    for (const auto& name : reader.getAllRecords()) {
-      if (name.size() < 4 || name.compare(name.size() - 4, 4, ".pkl") != 0) continue;
-      const auto [record, bytes] = reader.getRecord(name);
-      if (!pickle_fits(static_cast<const std::uint8_t*>(record.get()), bytes)) return false;
-    }
-  } catch (const std::exception&) {
-    // LibTorch cannot read the archive: it will refuse it the same way.
+  const auto* bytes = static_cast<const std::uint8_t*>(data);
+  auto le16 = [&](std::size_t at) { return std::size_t{bytes[at]} | std::size_t{bytes[at + 1]} << 8; };
+  for (std::size_t at = 0; at + 30 <= size; ++at) {
+    if (std::memcmp(bytes + at, "PK\3\4", 4) != 0) continue;
+    const std::size_t name = le16(at + 26), extra = le16(at + 28);
+    const std::size_t start = at + 30 + name + extra;
+    if (name < 4 || start > size) continue;
+    if (std::memcmp(bytes + at + 30 + name - 4, ".pkl", 4) != 0) continue;
+    if (!pickle_fits(bytes + start, size - start)) return false;
   }
   return true;
 }
