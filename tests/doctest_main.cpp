@@ -1,7 +1,8 @@
-// The test runner. `mixprec_cuda_tests --require-cuda ...` exits 77 (ctest: "not run") when no CUDA
-// device is present, so the CUDA suite is reported as not run on CPU machines, never as passed.
+// The test runner (runner.hpp). `mixprec_cuda_tests --require-cuda ...` exits 77 (ctest: "not
+// run") when no CUDA device is present, so the CUDA suite is reported as not run on CPU machines,
+// never as passed.
 #define DOCTEST_CONFIG_IMPLEMENT
-#include <doctest/doctest.h>
+#include "runner.hpp"
 
 #include <torch/cuda.h>
 
@@ -18,6 +19,5 @@ int main(int argc, char** argv) {
     }
     args.erase(args.begin() + 1);
   }
-  doctest::Context context(static_cast<int>(args.size()), args.data());
-  return context.run();
+  return test::runner::run(static_cast<int>(args.size()), args.data());
 }

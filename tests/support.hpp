@@ -10,6 +10,20 @@
 
 namespace test {
 
+/// Whether this build runs under AddressSanitizer (GCC and clang define __SANITIZE_ADDRESS__ or
+/// report the feature): for the few cases that doctest::skip there.
+#if defined(__SANITIZE_ADDRESS__)
+inline constexpr bool address_sanitizer = true;
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+inline constexpr bool address_sanitizer = true;
+#else
+inline constexpr bool address_sanitizer = false;
+#endif
+#else
+inline constexpr bool address_sanitizer = false;
+#endif
+
 /// A copy of every parameter, for before/after comparisons.
 inline std::vector<at::Tensor> snapshot(const std::vector<at::Tensor>& params) {
   std::vector<at::Tensor> copies;

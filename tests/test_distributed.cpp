@@ -7,7 +7,7 @@
 #include "support.hpp"
 
 #define DOCTEST_CONFIG_IMPLEMENT
-#include <doctest/doctest.h>
+#include "runner.hpp"
 #include <torch/csrc/distributed/c10d/FileStore.hpp>
 #include <torch/torch.h>
 
@@ -1003,6 +1003,5 @@ int main(int argc, char** argv) {
   if (argc == 6 && std::string(argv[1]) == "--rank-of") {
     return run_rank(argv[2], std::stoi(argv[3]), std::stoi(argv[4]), argv[5]);
   }
-  doctest::Context context(argc, argv);
-  return context.run();
+  return test::runner::run(argc, argv);
 }

@@ -1,10 +1,13 @@
 # cmake -DACTION=build -DSOURCE_DIR=... -DWORK_DIR=... -DGENERATOR=... -DTorch_DIR=... -DCXX=... -P run.cmake
-# cmake -DACTION=run -DWORK_DIR=... -DTARGET=trainer_load|scaler_load|ops_mask -DSECONDS=40 -P run.cmake
+# cmake -DACTION=run -DWORK_DIR=... -DTARGET=trainer_load|scaler_load|ops_mask -DSECONDS=40
+#       [-DREGRESSIONS=tests/fuzz/regressions] -P run.cmake
 # build: configures and builds tests/fuzz with clang++ against the main build's LibTorch.
-# run: writes the target's seeds (real checkpoints, state dicts, op calls), fuzzes it for
-# SECONDS in libFuzzer's fork mode, prints the executions and coverage, and fails on a crash, a
-# hang, a sanitizer report or a broken contract. Out-of-memory inputs are not failures: they are
-# LibTorch's unpickler reserving a length read from the input (docs/reliability.md).
+# run: writes the target's seeds (real checkpoints, state dicts, op calls) and adds the saved
+# inputs of REGRESSIONS/<target>/; SECONDS 0 replays them once (what ctest does); SECONDS > 0
+# fuzzes for that long in libFuzzer's fork mode (./scripts/fuzz), prints the executions and
+# coverage. Either fails on a crash, a hang, a sanitizer report or a broken contract.
+# Out-of-memory inputs are not failures when fuzzing: they are LibTorch's unpickler reserving a
+# length read from the input (docs/reliability.md).
 if(ACTION STREQUAL "build")
   get_filename_component(_torch_root "${Torch_DIR}/../../.." ABSOLUTE)
   set(_launcher)
@@ -44,6 +47,23 @@ execute_process(COMMAND ${_env} MIXPREC_FUZZ_SEEDS=${_corpus} ${_binary} -runs=0
                 RESULT_VARIABLE _rc OUTPUT_QUIET ERROR_VARIABLE _seed_log)
 if(NOT _rc EQUAL 0)
   message(FATAL_ERROR "writing the seeds of fuzz_${TARGET} failed:\n${_seed_log}")
+endif()
+if(REGRESSIONS AND IS_DIRECTORY ${REGRESSIONS}/${TARGET})
+  file(GLOB _saved ${REGRESSIONS}/${TARGET}/*)
+  file(COPY ${_saved} DESTINATION ${_corpus})
+endif()
+file(GLOB _inputs ${_corpus}/*)
+list(LENGTH _inputs _count)
+if(SECONDS EQUAL 0)
+  # -runs=0: every input of the corpus runs once, then libFuzzer exits.
+  execute_process(COMMAND ${_env} ${_binary} ${_corpus} -runs=0 -timeout=20 -rss_limit_mb=4096
+                          -artifact_prefix=${_artifacts}
+                  RESULT_VARIABLE _rc OUTPUT_VARIABLE _out ERROR_VARIABLE _log)
+  if(NOT _rc EQUAL 0)
+    message(FATAL_ERROR "fuzz_${TARGET}: replaying its ${_count} inputs failed (exit ${_rc})\n${_log}")
+  endif()
+  message(STATUS "fuzz_${TARGET}: ${_count} inputs replayed, no failure")
+  return()
 endif()
 execute_process(
   COMMAND ${_env} ${_binary} ${_corpus} -fork=1 -ignore_ooms=1 -ignore_timeouts=0
