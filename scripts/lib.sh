@@ -17,12 +17,22 @@ mixprec_ensure_packages() {
 export CCACHE_BASEDIR="${CCACHE_BASEDIR:-$PWD}"
 export CCACHE_SLOPPINESS="${CCACHE_SLOPPINESS:-pch_defines,time_macros,include_file_mtime,include_file_ctime}"
 
-# Everything the build, the tests, the examples and the demo use. Debian's libtorch-dev and
-# python3-torch are the `system` LibTorch and its Python; the wheel needs python3-venv; clang-14
-# and libfuzzer-14-dev build the fuzz targets (tests/fuzz).
-# libgloo-dev has Gloo's headers, for the distributed tests and examples (the wheel ships none).
-MIXPREC_PACKAGES=(cmake ninja-build g++ ccache libtorch-dev doctest-dev python3-torch python3-venv
-                  libgloo-dev zlib1g-dev dataset-fashion-mnist clang-14 libfuzzer-14-dev)
+# The Debian packages each command needs. Every command: the build tools, doctest and Gloo's
+# headers (the configure step checks for the tests' and the distributed targets' headers), CLI11
+# (the demo's command line) and python3-venv for the wheel's virtual environment; Debian's
+# libtorch-dev and python3-torch with MIXPREC_LIBTORCH=system. The demo adds the data set and
+# matplotlib (plot.py); the tests add those and clang-14 with libFuzzer (the fuzz targets).
+MIXPREC_PACKAGES=(cmake ninja-build g++ ccache doctest-dev libgloo-dev libcli11-dev python3-venv)
+MIXPREC_SYSTEM_PACKAGES=(libtorch-dev python3-torch)
+MIXPREC_DEMO_PACKAGES=(dataset-fashion-mnist python3-matplotlib)
+MIXPREC_TEST_PACKAGES=("${MIXPREC_DEMO_PACKAGES[@]}" clang-14 libfuzzer-14-dev)
+
+# Installs what every command needs, the selected LibTorch's packages, and "$@".
+mixprec_ensure_packages_for() {
+  local libtorch=()
+  [ "${MIXPREC_LIBTORCH:-wheel}" = system ] && libtorch=("${MIXPREC_SYSTEM_PACKAGES[@]}")
+  mixprec_ensure_packages "${MIXPREC_PACKAGES[@]}" "${libtorch[@]}" "$@"
+}
 
 # The LibTorch the scripts build against, chosen by MIXPREC_LIBTORCH:
 #   wheel  (default) the LibTorch inside PyPI's torch wheel, in a virtual environment build/venv

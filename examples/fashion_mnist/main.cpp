@@ -1,14 +1,17 @@
-// Fashion-MNIST demo: trains one small CNN under each precision policy (same seed, same data
-// order) and compares test accuracy, time per epoch, peak memory, skipped steps and the loss
-// scale; plots the loss curves to an SVG file.
+// Fashion-MNIST demo: trains one small CNN under each precision policy (same seed, same initial
+// weights, same data order) and compares test accuracy, time per epoch, peak memory, skipped
+// steps and the loss scale; writes the loss curves as CSV for plot.py.
 //
-//   ./scripts/demo                       # all four policies, defaults, plot to docs/demo_loss.svg
+//   ./scripts/demo                       # every policy, bf16 and fp16; plot in docs/demo_loss.*
 //   ./scripts/demo --policy MixedO2 --epochs 1
 //   ./scripts/demo --device cuda         # Half variants on a GPU (a CUDA build of LibTorch)
 //
 // Each policy trains in a child process (this program re-executed with --result-file), so the
-// peak-RSS column is that policy's own and not the maximum of all runs so far.
+// peak-RSS column is that policy's own. On a CPU, the fp16 policies are sized by a time budget:
+// a few timed steps of each decide how many images they train on.
 
+#include <CLI/CLI.hpp>
+#include <mixprec/mixprec.hpp>
 #include <spawn.h>
 #include <sys/wait.h>
 #include <torch/torch.h>
@@ -24,46 +27,54 @@
 #include <filesystem>
 #include <fstream>
 #include <iostream>
-#include <mixprec/mixprec.hpp>
+#include <map>
 #include <numbers>
 #include <numeric>
-#include <optional>
 #include <random>
 #include <sstream>
 #include <string>
-#include <string_view>
 #include <type_traits>
 #include <utility>
 #include <vector>
 
-#include "cli.hpp"
-#include "idx_dataset.hpp"
 #include "model.hpp"
-#include "progress.hpp"
 #include "report.hpp"
-#include "svg_plot.hpp"
 
 extern char** environ;
 
 namespace {
 
 namespace fm = fashion_mnist;
-
 using fm::Net;
 
-// The GradScaler settings of the fp16 policies.
+// The GradScaler settings of the fp16 policies: above PyTorch's 2^16, and growing every 250
+// clean steps (PyTorch: 2000), so that the demo's few thousand steps show the dynamic scale at
+// work: backoffs first, growth later.
 constexpr double kInitScale = 16777216.0;  // 2^24
 constexpr std::int64_t kGrowthInterval = 250;
+constexpr const char* kPolicies[] = {"FullPrecision", "MixedO1", "MixedO2", "PureHalf"};
 
-struct Data {
-  fm::Split train;
-  fm::Split test;
+struct Config {
+  int epochs = 3;
+  std::int64_t train_size = 60000;
+  std::int64_t half_train_size = 0;  // 0: sized by half_budget
+  double half_budget = 100;          // seconds of training for the fp16 group's four runs
+  std::int64_t test_size = 10000;
+  std::int64_t batch_size = 64;
+  double lr = 0.05;
+  std::string policy = "all";
+  std::string device = "cpu";
+  std::string dtype = mixprec::cpu_half_math ? "both" : "bf16";
+  std::string conv_weight_grad = "auto";  // auto | fp16 | fp32
+  std::string channels_last = "auto";     // auto | on | off
+  std::string csv = "none";
+  std::uint64_t seed = 42;
+  std::string data_dir = MIXPREC_FASHION_MNIST_DIR;
+  bool smoke = false;
+  bool advise = false;
+  std::int64_t gradient_stats = 0;
+  std::string result_file;  // internal: set, the process trains one policy and writes here
 };
-
-Data load_data(const fm::Config& config) {
-  return {fm::load_split(config.data_dir, "train", config.train_size),
-          fm::load_split(config.data_dir, "t10k", config.test_size)};
-}
 
 std::string fixed(double value, int digits) {
   char text[64];
@@ -71,76 +82,133 @@ std::string fixed(double value, int digits) {
   return text;
 }
 
-/// Fraction of the test split classified correctly, in batches of 1000 under the policy.
-template <class TrainerT>
-double test_accuracy(TrainerT& trainer, Net& model, const fm::Split& test, torch::Device device) {
-  constexpr std::int64_t kBatch = 1000;
-  std::int64_t correct = 0;
-  for (std::int64_t start = 0; start < test.size(); start += kBatch) {
-    const std::int64_t n = std::min(kBatch, test.size() - start);
-    const auto x = fm::standardize(test.images.narrow(0, start, n)).to(device);
-    const auto y = test.labels.narrow(0, start, n).to(device);
-    const at::Tensor logits =
-        trainer.evaluate([&] { return model->forward(trainer.cast_input(x)); });
-    correct += logits.argmax(1).eq(y).sum().template item<std::int64_t>();
-  }
-  return static_cast<double>(correct) / static_cast<double>(test.size());
+// What a run of `dtype`'s group does beyond its policy: where the flags say so (auto: where
+// the CPU probe does), fp32 weight gradients for the fp16 convolutions; channels_last memory.
+bool fp32_conv_weight_grads(const Config& c, const std::string& dtype) {
+  if (dtype != "fp16" || c.conv_weight_grad == "fp16") return false;
+  return c.conv_weight_grad == "fp32" ||
+         (c.device == "cpu" && mixprec::cpu_capabilities().fp16_conv_weight_grad_slow);
+}
+// auto: channels_last for fp32 and bf16 on the CPU; fp16 convolutions ran slower in it on the
+// EPYC these demos are measured on (docs/guide.md, "fp16 on a CPU").
+bool channels_last(const Config& c, const std::string& dtype) {
+  if (c.channels_last != "auto") return c.channels_last == "on";
+  return c.device == "cpu" && dtype != "fp16";
+}
+std::string variant_of(const Config& c, const std::string& dtype, bool full_precision) {
+  std::string v;
+  if (!full_precision && fp32_conv_weight_grads(c, dtype)) v = "fp32 conv weight grads";
+  return v;
 }
 
-/// Trains a fresh model under Policy and measures it. Same seed, same initial weights and same
-/// data order for every policy: the differences in the table are the policy's.
+// ---------------------------------------------------------------- data
+
+struct Data {
+  at::Tensor train_x, train_y, test_x, test_y;
+};
+
+const char* const kFiles[] = {"train-images-idx3-ubyte", "train-labels-idx1-ubyte",
+                              "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"};
+
+void check_data(const std::string& dir) {
+  for (const auto* file : kFiles) {
+    if (!std::filesystem::exists(std::filesystem::path(dir) / file)) {
+      throw std::runtime_error(
+          "no Fashion-MNIST file " + (std::filesystem::path(dir) / file).string() +
+          ": install Debian's dataset-fashion-mnist (./scripts/demo does) and rebuild, which "
+          "unpacks its *-ubyte.gz files there; or point --data at a directory of the four "
+          "unpacked IDX files");
+    }
+  }
+}
+
+// LibTorch's own reader of the IDX files; images scaled to [0, 1], then standardized with
+// Fashion-MNIST's mean and standard deviation.
+Data load_data(const Config& c, std::int64_t train_size) {
+  using torch::data::datasets::MNIST;
+  const MNIST train(c.data_dir, MNIST::Mode::kTrain);
+  const MNIST test(c.data_dir, MNIST::Mode::kTest);
+  const auto standardize = [](const at::Tensor& x) { return (x - 0.2860) / 0.3530; };
+  return {standardize(train.images().narrow(0, 0, train_size)),
+          train.targets().narrow(0, 0, train_size),
+          standardize(test.images().narrow(0, 0, c.test_size)),
+          test.targets().narrow(0, 0, c.test_size)};
+}
+
+// ---------------------------------------------------------------- one policy
+
+template <class TrainerT>
+double test_accuracy(TrainerT& trainer, Net& model, const Data& data, torch::Device device,
+                     bool nhwc) {
+  constexpr std::int64_t kBatch = 1000;
+  std::int64_t correct = 0;
+  const auto n = data.test_x.size(0);
+  for (std::int64_t start = 0; start < n; start += kBatch) {
+    auto x = data.test_x.narrow(0, start, std::min(kBatch, n - start)).to(device);
+    if (nhwc) x = x.contiguous(at::MemoryFormat::ChannelsLast);
+    const auto y = data.test_y.narrow(0, start, x.size(0)).to(device);
+    const at::Tensor logits = trainer.evaluate([&] { return model->forward(trainer.cast_input(x)); });
+    correct += logits.argmax(1).eq(y).sum().template item<std::int64_t>();
+  }
+  return static_cast<double>(correct) / static_cast<double>(n);
+}
+
+void to_channels_last(torch::nn::Module& model) {
+  for (auto& p : model.parameters()) {
+    if (p.dim() == 4) p.set_data(p.data().contiguous(at::MemoryFormat::ChannelsLast));
+  }
+}
+
+/// Trains a fresh model under Policy for `max_steps` steps (all epochs when negative) and
+/// measures it. Same seed, same initial weights and same data order for every policy.
 template <class Policy>
-fm::PolicyResult run_policy(const fm::Config& config, const Data& data) {
-  const torch::Device device(config.device == "cuda" ? torch::kCUDA : torch::kCPU);
+fm::PolicyResult run_policy(const Config& c, const std::string& dtype, const Data& data,
+                            std::int64_t max_steps = -1) {
+  const torch::Device device(c.device == "cuda" ? torch::kCUDA : torch::kCPU);
   const std::string name(Policy::name);
+  const bool full_precision = std::is_same_v<Policy, mixprec::FullPrecision>;
   fm::PolicyResult result;
   result.policy = name;
+  result.variant = variant_of(c, dtype, full_precision);
+  result.images = data.train_x.size(0);
 
-  torch::manual_seed(config.seed);
+  torch::manual_seed(c.seed);
   Net model;
   model->to(device);
-  torch::optim::SGD optimizer(model->parameters(),
-                              torch::optim::SGDOptions(config.lr).momentum(0.9));
-
-  const std::int64_t n = data.train.size();
-  const std::int64_t batches = (n + config.batch_size - 1) / config.batch_size;
-  const std::int64_t total_steps = config.epochs * batches;
-  fm::ProgressBar bar(std::cerr, name, total_steps, fm::stderr_is_terminal());
+  const bool nhwc = channels_last(c, dtype);
+  if (nhwc) to_channels_last(*model);
+  if (!full_precision && fp32_conv_weight_grads(c, dtype)) mixprec::nn::fp32_conv_weight_grads(*model);
+  torch::optim::SGD optimizer(model->parameters(), torch::optim::SGDOptions(c.lr).momentum(0.9));
 
   mixprec::TrainerOptions options;
   // Skips reach the program's own log, with where the inf/NaN was: the library never prints.
   options.on_step([&](const mixprec::StepReport& report) {
-    if (report.overflow) {
-      std::ostringstream where;
-      where << *report.overflow;
-      bar.message(name + ": step " + std::to_string(report.step) + " skipped at loss scale " +
-                  fixed(report.scale, 1) + ": " + where.str());
+    if (report.overflow && max_steps < 0) {
+      std::cerr << name << ": step " << report.step << " skipped at loss scale "
+                << fixed(report.scale, 1) << ": " << *report.overflow << "\n";
     }
-    if (report.gradient_stats) {
-      std::ostringstream table;
-      table << *report.gradient_stats;
-      bar.message(name + ": " + table.str().substr(0, table.str().size() - 1));
-    }
+    if (report.gradient_stats) std::cerr << name << ": " << *report.gradient_stats;
   });
-  // Per layer ("conv1", "bn1", ...): the parameters' counts summed.
-  options.gradient_stats(
-      mixprec::GradientStatsOptions().every(config.gradient_stats).group_depth(1));
+  options.on_warning([](const std::string& warning) { std::cerr << warning << "\n"; });
+  options.gradient_stats(mixprec::GradientStatsOptions().every(c.gradient_stats).group_depth(1));
   if constexpr (std::is_same_v<typename Policy::scaler_type, mixprec::GradScaler>) {
-    // Above PyTorch's 2^16 and growing every 250 clean steps (PyTorch: 2000), so that the few
-    // thousand steps of the demo show the dynamic scale at work: backoffs first, growth later.
     options.scaler(mixprec::GradScalerOptions().init_scale(kInitScale).growth_interval(kGrowthInterval));
   }
   mixprec::Trainer<Policy> trainer(model, optimizer, options);
-  std::int64_t iteration = 0;
 
   const double peak_before = fm::self_status_mib("VmHWM:");
   const bool reset = fm::reset_peak_rss();
   const double rss_before = fm::self_status_mib("VmRSS:");
 
-  std::mt19937 rng(static_cast<std::mt19937::result_type>(config.seed));
+  const std::int64_t n = data.train_x.size(0);
+  const std::int64_t batches = (n + c.batch_size - 1) / c.batch_size;
+  const std::int64_t total_steps = c.epochs * batches;
+  std::mt19937 rng(static_cast<std::mt19937::result_type>(c.seed));
   std::vector<std::int64_t> order(static_cast<std::size_t>(n));
   double train_seconds = 0;
-  for (int epoch = 1; epoch <= config.epochs; ++epoch) {
+  std::int64_t iteration = 0;
+  std::vector<double> step_seconds;
+  for (int epoch = 1; epoch <= c.epochs; ++epoch) {
     std::iota(order.begin(), order.end(), std::int64_t{0});
     std::shuffle(order.begin(), order.end(), rng);
     const auto permutation = torch::from_blob(order.data(), {n}, torch::kLong);
@@ -148,42 +216,52 @@ fm::PolicyResult run_policy(const fm::Config& config, const Data& data) {
     double loss_sum = 0;
     std::int64_t loss_count = 0;
     for (std::int64_t b = 0; b < batches; ++b) {
-      // Cosine decay to zero: the final weights settle, so the accuracy compared is not
-      // the noise of the last few large steps.
+      if (iteration == max_steps) break;
+      // Cosine decay to zero: the final weights settle, so the accuracy compared is not the
+      // noise of the last few large steps.
       const double progress = static_cast<double>(iteration) / static_cast<double>(total_steps);
       for (auto& group : optimizer.param_groups()) {
         static_cast<torch::optim::SGDOptions&>(group.options())
-            .lr(0.5 * config.lr * (1 + std::cos(std::numbers::pi * progress)));
+            .lr(0.5 * c.lr * (1 + std::cos(std::numbers::pi * progress)));
       }
-      const std::int64_t first = b * config.batch_size;
-      const auto index = permutation.narrow(0, first, std::min(config.batch_size, n - first));
-      const auto x = fm::standardize(data.train.images.index_select(0, index)).to(device);
-      const auto y = data.train.labels.index_select(0, index).to(device);
+      const std::int64_t first = b * c.batch_size;
+      const auto index = permutation.narrow(0, first, std::min(c.batch_size, n - first));
+      auto x = data.train_x.index_select(0, index).to(device);
+      if (nhwc) x = x.contiguous(at::MemoryFormat::ChannelsLast);
+      const auto y = data.train_y.index_select(0, index).to(device);
+      const auto step_start = std::chrono::steady_clock::now();
       const auto report = trainer.step([&] {
         return torch::nn::functional::cross_entropy(model->forward(trainer.cast_input(x)), y);
       });
+      const double loss = report.loss.template item<double>();  // waits for the step
+      step_seconds.push_back(
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - step_start).count());
       ++iteration;
-      const double loss = report.loss.template item<double>();
       result.losses.push_back(loss);
       result.scales.push_back(report.scale);
       if (std::isfinite(loss)) {
         loss_sum += loss;
         ++loss_count;
       }
-      bar.update((epoch - 1) * batches + b + 1, "loss " + fixed(loss, 4));
     }
     const double seconds =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     train_seconds += seconds;
-    bar.message(name + " epoch " + std::to_string(epoch) + "/" + std::to_string(config.epochs) +
-                ": mean loss " +
-                fixed(loss_count > 0 ? loss_sum / static_cast<double>(loss_count) : NAN, 4) + ", " +
-                fixed(seconds, 1) + " s, ETA " +
-                fm::format_duration(fm::eta_seconds(bar.elapsed(), epoch, config.epochs)));
+    if (max_steps >= 0) break;
+    std::cerr << fm::label(result) << ", " << dtype << ", " << n << " images, epoch " << epoch
+              << "/" << c.epochs << ": mean loss "
+              << fixed(loss_count > 0 ? loss_sum / static_cast<double>(loss_count) : NAN, 4)
+              << ", " << fixed(seconds, 1) << " s\n";
   }
-
-  result.test_accuracy = test_accuracy(trainer, model, data.test, device);
-  result.seconds_per_epoch = train_seconds / config.epochs;
+  if (max_steps >= 0) {  // a timing probe: the median step after the first three
+    std::vector<double> timed(step_seconds.begin() + std::min<std::ptrdiff_t>(3, std::ssize(step_seconds)),
+                              step_seconds.end());
+    std::sort(timed.begin(), timed.end());
+    result.seconds_per_epoch = timed.empty() ? 0.0 : timed[timed.size() / 2];
+    return result;
+  }
+  result.test_accuracy = test_accuracy(trainer, model, data, device, nhwc);
+  result.seconds_per_epoch = train_seconds / c.epochs;
   const double peak_after = fm::self_status_mib("VmHWM:");
   result.peak_rss_mib = std::max(peak_before, peak_after);
   result.training_peak_mib = reset && rss_before >= 0 ? peak_after - rss_before : -1;
@@ -191,297 +269,199 @@ fm::PolicyResult run_policy(const fm::Config& config, const Data& data) {
   result.steps = stats.steps;
   result.skipped_steps = stats.skipped_steps;
   result.final_scale = stats.scale;
-  bar.message(name + ": test accuracy " + fixed(100 * result.test_accuracy, 2) + "%, " +
-              fixed(result.seconds_per_epoch, 1) + " s/epoch");
   return result;
 }
 
-template <class Low>
-fm::PolicyResult run_named(std::string_view policy, const fm::Config& config, const Data& data) {
-  if (policy == "FullPrecision") {
-    return run_policy<mixprec::FullPrecision>(config, data);
-  }
-  if (policy == "MixedO1") {
-    return run_policy<mixprec::MixedO1<Low>>(config, data);
-  }
-  if (policy == "MixedO2") {
-    return run_policy<mixprec::MixedO2<Low>>(config, data);
-  }
-  if (policy == "PureHalf") {
-    return run_policy<mixprec::PureHalf<Low>>(config, data);
-  }
-  throw std::runtime_error("unknown policy " + std::string(policy));
+fm::PolicyResult run_named(const std::string& policy, const Config& c, const std::string& dtype,
+                           const Data& data, std::int64_t max_steps = -1) {
+  auto by_low = [&]<class Low>() -> fm::PolicyResult {
+    if (policy == "FullPrecision") return run_policy<mixprec::FullPrecision>(c, dtype, data, max_steps);
+    if (policy == "MixedO1") return run_policy<mixprec::MixedO1<Low>>(c, dtype, data, max_steps);
+    if (policy == "MixedO2") return run_policy<mixprec::MixedO2<Low>>(c, dtype, data, max_steps);
+    if (policy == "PureHalf") return run_policy<mixprec::PureHalf<Low>>(c, dtype, data, max_steps);
+    throw std::runtime_error("unknown policy " + policy);
+  };
+  return dtype == "fp16" ? by_low.template operator()<at::Half>()
+                         : by_low.template operator()<at::BFloat16>();
 }
 
-fm::PolicyResult run_in_process(std::string_view policy, const fm::Config& config,
-                                const Data& data) {
-  return config.dtype == "fp16" ? run_named<at::Half>(policy, config, data)
-                                : run_named<at::BFloat16>(policy, config, data);
-}
+// ---------------------------------------------------------------- processes
 
-/// Child mode: train config.policy and write the result to config.result_file.
-int run_child(const fm::Config& config) {
-  const Data data = load_data(config);
-  const fm::PolicyResult result = run_in_process(config.policy, config, data);
-  std::ofstream out(config.result_file, std::ios::trunc);
-  fm::write_result(out, result);
-  out.close();
-  if (!out) {
-    throw std::runtime_error("cannot write " + config.result_file);
-  }
-  return 0;
+std::vector<std::string> child_args(const Config& c, const std::string& policy,
+                                    const std::string& dtype, std::int64_t train_size,
+                                    const std::string& result_file) {
+  char lr[32];
+  std::snprintf(lr, sizeof lr, "%.17g", c.lr);
+  return {"fashion_mnist", "--policy", policy, "--dtype", dtype,
+          "--train-size", std::to_string(train_size), "--epochs", std::to_string(c.epochs),
+          "--test-size", std::to_string(c.test_size), "--batch-size", std::to_string(c.batch_size),
+          "--lr", lr, "--seed", std::to_string(c.seed), "--device", c.device,
+          "--conv-weight-grad", c.conv_weight_grad, "--channels-last", c.channels_last,
+          "--data", c.data_dir, "--gradient-stats", std::to_string(c.gradient_stats),
+          "--result-file", result_file};
 }
 
 /// Runs this program again as a child that trains `policy`; returns its result.
-fm::PolicyResult run_in_child(std::string_view policy, const fm::Config& config) {
+fm::PolicyResult run_in_child(const Config& c, const std::string& policy, const std::string& dtype,
+                              std::int64_t train_size) {
   std::string file_name =
       (std::filesystem::temp_directory_path() / "fashion_mnist_result_XXXXXX").string();
   const int fd = ::mkstemp(file_name.data());
-  if (fd < 0) {
-    throw std::runtime_error("cannot create a temporary file in " +
-                             std::filesystem::temp_directory_path().string());
-  }
+  if (fd < 0) throw std::runtime_error("cannot create a temporary file");
   ::close(fd);
   struct Remove {
     std::string path;
     ~Remove() { std::remove(path.c_str()); }
   } remove_file{file_name};
-
-  std::vector<std::string> args = fm::child_args(config, policy, file_name);
-  args.insert(args.begin(), "fashion_mnist");
+  auto args = child_args(c, policy, dtype, train_size, file_name);
   std::vector<char*> argv;
-  for (auto& arg : args) {
-    argv.push_back(arg.data());
-  }
+  for (auto& arg : args) argv.push_back(arg.data());
   argv.push_back(nullptr);
   pid_t pid = 0;
-  if (const int error =
-          ::posix_spawn(&pid, "/proc/self/exe", nullptr, nullptr, argv.data(), environ);
+  if (const int error = ::posix_spawn(&pid, "/proc/self/exe", nullptr, nullptr, argv.data(), environ);
       error != 0) {
     throw std::runtime_error("cannot start a child process: " + std::string(std::strerror(error)));
   }
   int status = 0;
   while (::waitpid(pid, &status, 0) < 0) {
-    if (errno != EINTR) {
-      throw std::runtime_error("waitpid failed: " + std::string(std::strerror(errno)));
-    }
+    if (errno != EINTR) throw std::runtime_error("waitpid failed: " + std::string(std::strerror(errno)));
   }
-  if (WIFSIGNALED(status)) {
-    throw std::runtime_error(std::string(policy) + ": the child process died of signal " +
-                             std::to_string(WTERMSIG(status)));
-  }
-  if (WEXITSTATUS(status) != 0) {
-    throw std::runtime_error(std::string(policy) + ": the child process failed (exit status " +
-                             std::to_string(WEXITSTATUS(status)) + ")");
+  if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
+    throw std::runtime_error(policy + ": the child process failed (status " + std::to_string(status) + ")");
   }
   std::ifstream in(file_name);
   return fm::read_result(in);
 }
 
-std::string plural(std::int64_t n, const std::string& word) {
-  return std::to_string(n) + " " + word + (n == 1 ? "" : "s");
-}
-
-/// Three panels: smoothed training loss, its difference to FullPrecision's (the curves
-/// themselves overlap at this scale), and the loss scale.
-void write_plot(const fm::Config& config, const std::vector<fm::PolicyResult>& results) {
-  fm::svg::Panel losses{"Training loss (exponential moving average)",
-                        "optimizer step",
-                        "cross-entropy",
-                        false,
-                        "",
-                        {}};
-  fm::svg::Panel deltas{"Smoothed training loss minus FullPrecision's",
-                        "optimizer step",
-                        "loss difference",
-                        false,
-                        "same initial weights and data order: the difference is the policy's",
-                        {}};
-  fm::svg::Panel scales{"Loss scale", "optimizer step", "scale (log)", true, "", {}};
-  const auto reference = std::find_if(results.begin(), results.end(), [](const auto& r) {
-    return r.policy == mixprec::FullPrecision::name;
-  });
-  const std::size_t steps =
-      results.empty()
-          ? 0
-          : std::max_element(results.begin(), results.end(), [](const auto& a, const auto& b) {
-              return a.losses.size() < b.losses.size();
-            })->losses.size();
-  const double weight =
-      std::clamp(1.0 - 20.0 / static_cast<double>(std::max<std::size_t>(steps, 1)), 0.6, 0.98);
-  losses.note =
-      "smoothing weight " + fixed(weight, 2) + "; same seed and data order for every policy";
-  const auto smoothed = [&](const fm::PolicyResult& r) {
-    return fm::svg::smooth_ema(r.losses, weight);
-  };
-  const std::vector<double> reference_loss =
-      reference != results.end() ? smoothed(*reference) : std::vector<double>{};
-  bool all_one = true;
-  for (const auto& r : results) {
-    fm::svg::Series loss{r.policy, {}, smoothed(r)};
-    for (std::size_t i = 0; i < loss.y.size(); ++i) {
-      loss.x.push_back(static_cast<double>(i + 1));
-    }
-    fm::svg::Series delta{r.policy, loss.x, loss.y};
-    for (std::size_t i = 0; i < delta.y.size(); ++i) {
-      delta.y[i] = i < reference_loss.size() ? delta.y[i] - reference_loss[i] : NAN;
-    }
-    fm::svg::Series scale{r.policy, loss.x, r.scales};
-    scale.x.resize(scale.y.size());
-    all_one =
-        all_one && std::all_of(r.scales.begin(), r.scales.end(), [](double s) { return s == 1.0; });
-    losses.series.push_back(fm::svg::downsample(loss, 800));
-    if (r.losses.size() == reference_loss.size()) {  // same data: the difference is the policy's
-      deltas.series.push_back(fm::svg::downsample(delta, 800));
-    }
-    scales.series.push_back(fm::svg::downsample(scale, 800));
-  }
-  if (all_one) {
-    scales.note =
-        "every policy ran at scale 1: bfloat16 has fp32's exponent range and needs no loss "
-        "scaling (fp16 uses a dynamic GradScaler)";
-  } else {
-    scales.note = "fp16 MixedO1/MixedO2: GradScaler from 2^24, halved on overflow, doubled after " +
-                  std::to_string(kGrowthInterval) + " clean steps; the others run at scale 1";
-  }
-  fm::svg::Figure figure{"Fashion-MNIST, " + std::to_string(config.train_size) + " images x " +
-                             plural(config.epochs, "epoch") + ", seed " +
-                             std::to_string(config.seed) + ", " + config.device + ", " +
-                             config.dtype,
-                         {},
-                         860,
-                         300};
-  figure.panels.push_back(losses);
-  if (reference != results.end() && results.size() > 1) {
-    figure.panels.push_back(deltas);
-  }
-  figure.panels.push_back(scales);
-  const std::filesystem::path path(config.output);
-  if (path.has_parent_path()) {
-    std::filesystem::create_directories(path.parent_path());
-  }
-  std::ofstream out(path, std::ios::trunc);
-  out << fm::svg::render(figure);
+int run_child(const Config& c) {
+  const auto result = run_named(c.policy, c, c.dtype, load_data(c, c.train_size));
+  std::ofstream out(c.result_file, std::ios::trunc);
+  fm::write_result(out, result);
   out.close();
-  if (!out) {
-    throw std::runtime_error("cannot write " + path.string());
-  }
+  if (!out) throw std::runtime_error("cannot write " + c.result_file);
+  return 0;
 }
 
-/// --advise: mixprec::advise on the CNN, fp32, the first three training batches.
-int run_advise(const fm::Config& config) {
-  const torch::Device device(config.device == "cuda" ? torch::kCUDA : torch::kCPU);
-  const auto train = fm::load_split(config.data_dir, "train",
-                                    std::min<std::int64_t>(config.train_size, 3 * config.batch_size));
-  torch::manual_seed(config.seed);
+// ---------------------------------------------------------------- the comparison
+
+int run_advise(const Config& c) {
+  const torch::Device device(c.device == "cuda" ? torch::kCUDA : torch::kCPU);
+  const auto data = load_data(c, std::min<std::int64_t>(c.train_size, 3 * c.batch_size));
+  torch::manual_seed(c.seed);
   Net model;
   model->to(device);
   std::int64_t batch = 0;
   const auto advice = mixprec::advise(model, [&] {
-    const std::int64_t first = (batch++ * config.batch_size) % train.size();
-    const std::int64_t n = std::min(config.batch_size, train.size() - first);
-    const auto x = fm::standardize(train.images.narrow(0, first, n)).to(device);
-    const auto y = train.labels.narrow(0, first, n).to(device);
+    const std::int64_t first = (batch++ * c.batch_size) % data.train_x.size(0);
+    const std::int64_t n = std::min(c.batch_size, data.train_x.size(0) - first);
+    const auto x = data.train_x.narrow(0, first, n).to(device);
+    const auto y = data.train_y.narrow(0, first, n).to(device);
     return torch::nn::functional::cross_entropy(model->forward(x), y);
   });
-  std::cout << "Fashion-MNIST CNN, batch " << config.batch_size << ", seed " << config.seed
-            << ", device " << config.device << ", LibTorch " << TORCH_VERSION << "\n"
+  std::cout << "Fashion-MNIST CNN, batch " << c.batch_size << ", seed " << c.seed << ", device "
+            << c.device << ", LibTorch " << TORCH_VERSION << "\n"
             << advice;
   return 0;
 }
 
-/// Parent mode: one child per policy, then the table, the plot and (with --smoke) the check.
-int run_parent(const fm::Config& config) {
-  fm::check_data_files(config.data_dir);
-  if (config.advise) return run_advise(config);
-  if (config.device == "cuda" && !torch::cuda::is_available()) {
+struct Group {
+  std::string dtype;
+  std::int64_t images;
+  std::string why;  // how the size was chosen
+  std::vector<fm::PolicyResult> results;
+};
+
+// The fp16 group's size on a CPU: a few timed steps of each of its runs decide how many images
+// fit the budget (the fp16 kernels' speed differs by orders of magnitude between CPUs).
+std::int64_t size_half_group(const Config& c, std::string& why) {
+  const auto probe = load_data(c, std::min<std::int64_t>(c.train_size, 16 * c.batch_size));
+  std::vector<double> seconds;
+  std::ostringstream text;
+  for (const std::string policy : kPolicies) {
+    if (c.policy != "all" && c.policy != policy && policy != "FullPrecision") continue;
+    const double s = run_named(policy, c, "fp16", probe, /*max_steps=*/3 + 8).seconds_per_epoch;
+    seconds.push_back(s);
+    text << (seconds.size() > 1 ? ", " : "") << policy << " " << fixed(1000 * s, 1) << " ms";
+  }
+  const std::int64_t minimum = std::min<std::int64_t>(2000, c.train_size);
+  const auto images = fm::images_within_budget(c.half_budget, seconds, c.epochs, c.batch_size,
+                                               minimum, c.train_size);
+  why = "a step of each run measured " + text.str() + " (batch " + std::to_string(c.batch_size) +
+        "): " + std::to_string(images) + " images x " + std::to_string(c.epochs) +
+        " epochs fit the --half-budget of " + fixed(c.half_budget, 0) + " s";
+  return images;
+}
+
+int run_parent(const Config& c) {
+  check_data(c.data_dir);
+  if (c.advise) return run_advise(c);
+  if (c.device == "cuda" && !torch::cuda::is_available()) {
     throw std::runtime_error("--device cuda: this LibTorch has no CUDA device available");
   }
-  // One group per low precision asked for, each with its FullPrecision reference. fp16 without
-  // native hardware support is several times slower than bf16 on a CPU: beside bf16, its group
-  // trains on the first --half-train-size images, so that the demo stays a few minutes.
-  struct Group {
-    std::string dtype;
-    std::int64_t train_size;
-    std::vector<fm::PolicyResult> results;
-  };
+  const auto start = std::chrono::steady_clock::now();
+  std::cerr << "CPU: " << mixprec::cpu_capabilities() << "\n";
   std::vector<Group> groups;
   for (const std::string dtype : {"bf16", "fp16"}) {
-    if (config.dtype == dtype || config.dtype == "both") {
-      const bool subset = dtype == "fp16" && config.dtype == "both" && config.device == "cpu";
-      groups.push_back({dtype, subset ? std::min(config.half_train_size, config.train_size)
-                                      : config.train_size, {}});
-    }
-  }
-  const bool can_spawn = std::filesystem::exists("/proc/self/exe");
-  const auto start = std::chrono::steady_clock::now();
-  for (std::size_t g = 0; g < groups.size(); ++g) {
-    auto& group = groups[g];
-    for (const auto name : fm::kPolicyNames) {
-      if (config.policy != "all" && config.policy != name) continue;
-      const bool same_reference = g > 0 && group.train_size == groups[g - 1].train_size;
-      if (name == "FullPrecision" && same_reference) {  // the same run: reuse it
-        for (const auto& r : groups[g - 1].results) {
-          if (r.policy == name) group.results.push_back(r);
-        }
-        continue;
+    if (c.dtype != dtype && c.dtype != "both") continue;
+    Group group{dtype, c.train_size, "--train-size", {}};
+    if (dtype == "fp16" && c.device == "cpu" && c.dtype == "both") {
+      if (c.half_train_size > 0) {
+        group.images = std::min(c.half_train_size, c.train_size);
+        group.why = "--half-train-size";
+      } else {
+        group.images = size_half_group(c, group.why);
       }
-      fm::Config run = config;
-      run.dtype = group.dtype;
-      run.train_size = group.train_size;
-      group.results.push_back(can_spawn ? run_in_child(name, run)
-                                        : run_in_process(name, run, load_data(run)));
+      std::cerr << "fp16 group: " << group.images << " images: " << group.why << "\n";
+    }
+    groups.push_back(group);
+  }
+  for (auto& group : groups) {
+    for (const std::string policy : kPolicies) {
+      if (c.policy != "all" && c.policy != policy) continue;
+      group.results.push_back(run_in_child(c, policy, group.dtype, group.images));
     }
   }
-  const double total =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  const double total = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 
-  std::cout << "\nFashion-MNIST: " << config.test_size << " test images, "
-            << plural(config.epochs, "epoch") << ", batch " << config.batch_size << ", SGD lr "
-            << config.lr << " (cosine decay) momentum 0.9, seed " << config.seed << ", device "
-            << config.device << ", " << torch::get_num_threads() << " threads, LibTorch "
-            << TORCH_VERSION << "; fp16 GradScaler: init 2^24, x2 after " << kGrowthInterval
-            << " clean steps\n";
-  std::vector<fm::PolicyResult> results;
+  const auto& cpu = mixprec::cpu_capabilities();
+  std::cout << "\nFashion-MNIST: " << c.test_size << " test images, " << c.epochs << " epochs, batch "
+            << c.batch_size << ", SGD lr " << c.lr << " (cosine decay) momentum 0.9, seed " << c.seed
+            << ", device " << c.device << ", " << torch::get_num_threads() << " threads, LibTorch "
+            << TORCH_VERSION << ", CPU " << (cpu.model.empty() ? "unknown" : cpu.model)
+            << "; fp16 GradScaler: init 2^24, x2 after " << kGrowthInterval << " clean steps\n";
+  std::vector<std::pair<std::string, fm::PolicyResult>> runs;
   for (const auto& group : groups) {
-    std::cout << "\nLow precision " << group.dtype << ", " << group.train_size
-              << " training images:\n\n" << fm::format_table(group.results);
-    for (auto r : group.results) {
-      if (group.train_size != groups.front().train_size) {
-        r.policy += " (" + std::to_string(group.train_size) + " images)";
-      }
-      if (std::none_of(results.begin(), results.end(),
-                       [&](const auto& other) { return other.policy == r.policy; })) {
-        results.push_back(std::move(r));
-      }
-    }
+    std::cout << "\nLow precision " << group.dtype << ", " << group.images << " training images ("
+              << group.why << ")" << (channels_last(c, group.dtype) ? ", channels_last" : "")
+              << ":\n\n" << fm::format_table(group.results);
+    for (const auto& r : group.results) runs.emplace_back(group.dtype, r);
   }
   std::cout << "\n"
-            << (config.device == "cpu" && !mixprec::detail::cpu_half_math
+            << (c.device == "cpu" && !mixprec::cpu_half_math
                     ? "No Half policies: the CPU kernels of LibTorch " TORCH_VERSION " compute no "
                       "fp16 (the default LibTorch 2.x of ./scripts/demo does).\n"
                     : "")
-            << "Total " << fixed(total, 1) << " s. Peak RSS: each policy in its own process"
-            << (can_spawn ? "" : " (no /proc: all in one process, peaks accumulate)")
-            << "; training peak: peak RSS during training and evaluation minus RSS before.\n";
-  if (config.output != "none") {
-    write_plot(config, results);
-    std::cout << "Loss curves and loss scales: " << config.output << "\n";
+            << "Total " << fixed(total, 1) << " s (training and evaluation of every run, and the "
+            << "fp16 timing steps). Peak RSS: each policy in its own process; training peak: "
+            << "peak RSS during training and evaluation minus RSS before.\n";
+  if (c.csv != "none") {
+    std::ofstream out(c.csv, std::ios::trunc);
+    fm::write_csv(out, runs);
+    out.close();
+    if (!out) throw std::runtime_error("cannot write " + c.csv);
+    std::cout << "Loss curves: " << c.csv << "\n";
   }
   std::cout << std::flush;
-
-  if (config.smoke) {
+  if (c.smoke) {
     bool ok = true;
-    for (const auto& r : results) {
+    for (const auto& [dtype, r] : runs) {
       if (!(r.test_accuracy > 0.3)) {
-        std::cerr << "smoke check failed: " << r.policy << " test accuracy "
+        std::cerr << "smoke check failed: " << fm::label(r) << " (" << dtype << ") test accuracy "
                   << fixed(100 * r.test_accuracy, 2) << "% is not above 30%\n";
         ok = false;
       }
     }
-    if (!ok) {
-      return 1;
-    }
+    if (!ok) return 1;
     std::cerr << "smoke check passed: every policy above 30% test accuracy\n";
   }
   return 0;
@@ -490,23 +470,72 @@ int run_parent(const fm::Config& config) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  const std::vector<std::string> args(argv + 1, argv + argc);
-  fm::Config config;
+  Config c;
+  CLI::App app{"Trains a small CNN on Fashion-MNIST under mixprec's precision policies (same "
+               "seed, same data order) and compares test accuracy, time per epoch, peak memory, "
+               "skipped steps and loss scale. Each policy runs in a child process.",
+               "fashion_mnist"};
+  app.add_option("--epochs", c.epochs, "training epochs")->check(CLI::PositiveNumber)->capture_default_str();
+  app.add_option("--train-size", c.train_size, "training images, at most 60000")
+      ->check(CLI::Range(1, 60000))->capture_default_str();
+  app.add_option("--half-train-size", c.half_train_size,
+                 "training images of the fp16 policies and their FullPrecision reference on the "
+                 "CPU with --dtype both (default: as many as fit --half-budget)")
+      ->check(CLI::Range(1, 60000));
+  app.add_option("--half-budget", c.half_budget,
+                 "seconds of training for the fp16 group's four runs; a few timed steps of each "
+                 "decide its number of images")->check(CLI::PositiveNumber)->capture_default_str();
+  app.add_option("--test-size", c.test_size, "test images, at most 10000")
+      ->check(CLI::Range(1, 10000))->capture_default_str();
+  app.add_option("--batch-size", c.batch_size, "mini-batch size")->check(CLI::PositiveNumber)->capture_default_str();
+  app.add_option("--lr", c.lr, "peak SGD learning rate, cosine decay to 0, momentum 0.9")
+      ->check(CLI::PositiveNumber)->capture_default_str();
+  app.add_option("--policy", c.policy, "all, FullPrecision, MixedO1, MixedO2 or PureHalf (O0..O3)")
+      ->transform(CLI::CheckedTransformer(std::map<std::string, std::string>{
+          {"all", "all"}, {"FullPrecision", "FullPrecision"}, {"MixedO1", "MixedO1"},
+          {"MixedO2", "MixedO2"}, {"PureHalf", "PureHalf"}, {"O0", "FullPrecision"},
+          {"O1", "MixedO1"}, {"O2", "MixedO2"}, {"O3", "PureHalf"}}))
+      ->capture_default_str();
+  app.add_option("--device", c.device, "cpu or cuda")->check(CLI::IsMember({"cpu", "cuda"}))->capture_default_str();
+  app.add_option("--dtype", c.dtype, "bf16, fp16 or both: the low precision of the mixed policies")
+      ->check(CLI::IsMember({"bf16", "fp16", "both"}))->capture_default_str();
+  app.add_option("--conv-weight-grad", c.conv_weight_grad,
+                 "fp16 runs: auto (fp32 where mixprec::cpu_capabilities() finds LibTorch's fp16 "
+                 "weight gradients slow), fp16 or fp32")
+      ->check(CLI::IsMember({"auto", "fp16", "fp32"}))->capture_default_str();
+  app.add_option("--channels-last", c.channels_last,
+                 "auto (fp32 and bf16 runs on the CPU), on or off")
+      ->check(CLI::IsMember({"auto", "on", "off"}))->capture_default_str();
+  app.add_option("--csv", c.csv, "write the loss curves here (plot.py draws them); none: no file")
+      ->capture_default_str();
+  app.add_option("--seed", c.seed, "seed of the initial weights and the data order")->capture_default_str();
+  app.add_option("--data", c.data_dir, "directory of the four unpacked Fashion-MNIST IDX files")
+      ->capture_default_str();
+  app.add_option("--gradient-stats", c.gradient_stats,
+                 "log, every N steps, how much of each layer's gradient fp16 would lose (0: off)")
+      ->check(CLI::NonNegativeNumber);
+  app.add_flag("--advise", c.advise, "print mixprec::advise's verdict for the CNN and exit");
+  app.add_flag("--smoke", c.smoke,
+               "tiny run for CI (512 training and 1000 test images, 2 epochs unless given); "
+               "fails unless every policy beats chance");
+  app.add_option("--result-file", c.result_file)->group("");  // internal: the child's output
   try {
-    config = fm::parse_args(args);
-  } catch (const fm::CliError& error) {
-    std::cerr << "fashion_mnist: " << error.what() << "\n\n" << fm::usage(argv[0]);
+    app.parse(argc, argv);
+    if (c.smoke) {
+      if (app.count("--train-size") == 0) c.train_size = 512;
+      if (app.count("--test-size") == 0) c.test_size = 1000;
+      if (app.count("--epochs") == 0) c.epochs = 2;
+      if (app.count("--half-train-size") == 0) c.half_train_size = c.train_size;
+    }
+  } catch (const CLI::CallForHelp&) {
+    std::cout << app.help();
+    return 0;
+  } catch (const CLI::ParseError& e) {
+    std::cerr << "fashion_mnist: " << e.what() << "\nRun with --help for the options.\n";
     return 2;
   }
-  if (config.help) {
-    std::cout << fm::usage(argv[0]);
-    return 0;
-  }
   try {
-    return config.result_file.empty() ? run_parent(config) : run_child(config);
-  } catch (const fm::MissingDataError& error) {
-    std::cerr << "fashion_mnist: " << error.what() << "\n";
-    return 1;
+    return c.result_file.empty() ? run_parent(c) : run_child(c);
   } catch (const std::exception& error) {
     std::cerr << "fashion_mnist: error: " << error.what() << "\n";
     return 1;

@@ -1,7 +1,9 @@
 #pragma once
 // What one policy's training run reports, how a child process hands it to the parent (a small
-// line-based text file), how peak memory is read from /proc, and the comparison table.
+// line-based text file), how peak memory is read from /proc, the comparison table, the CSV of
+// the loss curves (plot.py draws it), and how many images fit a time budget.
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -21,6 +23,8 @@ namespace fashion_mnist {
 /// The outcome of training one policy.
 struct PolicyResult {
   std::string policy;              // the policy's name, e.g. "MixedO2<BFloat16>"
+  std::string variant;             // "" or how the run differs, e.g. "fp32 conv weight grads"
+  std::int64_t images = 0;         // training images
   double test_accuracy = 0;        // fraction in [0, 1]
   double seconds_per_epoch = 0;    // training only (no evaluation), mean over the epochs
   double peak_rss_mib = 0;         // VmHWM of the process at the end
@@ -32,12 +36,19 @@ struct PolicyResult {
   std::vector<double> scales;      // loss scale after each iteration
 };
 
-inline constexpr const char* kResultHeader = "mixprec-fashion-mnist-result 1";
+inline constexpr const char* kResultHeader = "mixprec-fashion-mnist-result 2";
+
+/// The row label: the policy, and the variant in parentheses.
+inline std::string label(const PolicyResult& r) {
+  return r.variant.empty() ? r.policy : r.policy + " (" + r.variant + ")";
+}
 
 /// Writes `result` in the line format read_result reads ("key value", vectors with a count).
 inline void write_result(std::ostream& out, const PolicyResult& result) {
   out << kResultHeader << '\n' << std::setprecision(17);
   out << "policy " << result.policy << '\n';
+  out << "variant " << result.variant << '\n';
+  out << "images " << result.images << '\n';
   out << "test_accuracy " << result.test_accuracy << '\n';
   out << "seconds_per_epoch " << result.seconds_per_epoch << '\n';
   out << "peak_rss_mib " << result.peak_rss_mib << '\n';
@@ -70,6 +81,11 @@ inline PolicyResult read_result(std::istream& in) {
     bool ok = true;
     if (key == "policy") {
       ok = static_cast<bool>(in >> result.policy);
+    } else if (key == "variant") {  // the rest of the line, possibly empty
+      std::getline(in, result.variant);
+      if (!result.variant.empty() && result.variant.front() == ' ') result.variant.erase(0, 1);
+    } else if (key == "images") {
+      ok = static_cast<bool>(in >> result.images);
     } else if (key == "test_accuracy") {
       ok = static_cast<bool>(in >> result.test_accuracy);
     } else if (key == "seconds_per_epoch") {
@@ -144,9 +160,9 @@ inline bool reset_peak_rss() {
 /// The comparison table (Markdown), the first row as the baseline of the relative columns.
 inline std::string format_table(const std::vector<PolicyResult>& results) {
   std::string out =
-      "| policy | test accuracy | vs first | s/epoch | speed vs first | peak RSS MiB | "
+      "| policy | images | test accuracy | vs first | s/epoch | speed vs first | peak RSS MiB | "
       "training peak +MiB | steps | skipped | final scale |\n"
-      "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n";
+      "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n";
   if (results.empty()) {
     return out;
   }
@@ -162,13 +178,42 @@ inline std::string format_table(const std::vector<PolicyResult>& results) {
       training = text;
     }
     std::snprintf(row, sizeof row,
-                  "| %s | %.2f%% | %+.2f pp | %.2f | %.2fx | %.1f | %s | %lld | %lld | %g |\n",
-                  r.policy.c_str(), 100.0 * r.test_accuracy, delta, r.seconds_per_epoch, speed,
+                  "| %s | %lld | %.2f%% | %+.2f pp | %.2f | %.2fx | %.1f | %s | %lld | %lld | %g |\n",
+                  label(r).c_str(), static_cast<long long>(r.images), 100.0 * r.test_accuracy,
+                  delta, r.seconds_per_epoch, speed,
                   r.peak_rss_mib, training.c_str(), static_cast<long long>(r.steps),
                   static_cast<long long>(r.skipped_steps), r.final_scale);
     out += row;
   }
   return out;
+}
+
+/// The loss curves as CSV, one row per optimizer step of each run: run (its row label), dtype
+/// (the group's low precision: bf16 or fp16), step, loss (the unscaled micro-batch loss; "nan"
+/// or "inf" where it was), scale (the loss scale the step used).
+inline void write_csv(std::ostream& out, const std::vector<std::pair<std::string, PolicyResult>>& runs) {
+  out << "run,dtype,images,step,loss,scale\n" << std::setprecision(9);
+  for (const auto& [dtype, r] : runs) {
+    for (std::size_t i = 0; i < r.losses.size(); ++i) {
+      out << '"' << label(r) << "\"," << dtype << ',' << r.images << ',' << i + 1 << ','
+          << r.losses[i] << ',' << (i < r.scales.size() ? r.scales[i] : 1.0) << '\n';
+    }
+  }
+}
+
+/// How many training images the runs of a group can take within `budget` seconds of training:
+/// the measured seconds per step of each run (one step of each, summed, per batch), whole
+/// epochs of whole batches, rounded down to a multiple of `round`, within [minimum, maximum].
+inline std::int64_t images_within_budget(double budget, const std::vector<double>& step_seconds,
+                                         int epochs, std::int64_t batch, std::int64_t minimum,
+                                         std::int64_t maximum, std::int64_t round = 1000) {
+  double per_step = 0;
+  for (const double s : step_seconds) per_step += s;
+  if (!(per_step > 0) || epochs < 1 || batch < 1) return minimum;
+  const double steps = budget / (per_step * epochs);
+  auto images = static_cast<std::int64_t>(std::min(steps * static_cast<double>(batch), 1e15));
+  images = images / round * round;
+  return std::clamp(images, minimum, maximum);
 }
 
 }  // namespace fashion_mnist

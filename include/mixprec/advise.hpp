@@ -14,10 +14,12 @@
 /// or else by itself ("aten::softmax"). docs/diagnostics.md explains the thresholds.
 
 #include <mixprec/autocast.hpp>
+#include <mixprec/capabilities.hpp>
 #include <mixprec/concepts.hpp>
 #include <mixprec/detail/torch_version.hpp>
 #include <mixprec/diagnostics.hpp>
 #include <mixprec/error.hpp>
+#include <mixprec/nn.hpp>
 #include <mixprec/policy.hpp>
 #include <mixprec/scaler.hpp>
 
@@ -95,6 +97,9 @@ struct Advice {
   double init_scale = 0.0;
   std::string recommended;          ///< a policy type, e.g. "MixedO2<BFloat16>"
   std::vector<std::string> reasons; ///< why that policy, and what to watch
+  /// On a CPU whose fp16 convolution weight gradients are oneDNN's reference loop
+  /// (CpuCapabilities::fp16_conv_weight_grad_slow): the model's convolutions that would take it.
+  std::vector<std::string> slow_fp16_convolutions;
 
   /// The layers to keep in fp32 to train in `low` (at::kHalf or at::kBFloat16).
   std::vector<std::string> keep_fp32(c10::ScalarType low) const {
@@ -630,7 +635,20 @@ Advice advise(torch::nn::Module& model, LossFn&& loss_fn, const AdviseOptions& o
                       " to " + detail::short_number(l.gradient_max) + " is more than fp16 spans";
     }
   }
+  if (advice.device == c10::DeviceType::CPU && cpu_capabilities().fp16_conv_weight_grad_slow) {
+    advice.slow_fp16_convolutions = nn::detail::fp16_weight_grad_convolutions(model);
+  }
   detail::decide(advice);
+  if (!advice.slow_fp16_convolutions.empty()) {
+    const auto& cpu = cpu_capabilities();
+    std::string names;
+    for (const auto& name : advice.slow_fp16_convolutions) names += (names.empty() ? "" : ", ") + name;
+    advice.reasons.push_back(
+        "fp16 on this CPU (" + cpu.model + ": AVX512-FP16 without AMX-FP16): LibTorch computes "
+        "the weight gradients of fp16 convolutions (" + names + ") with oneDNN's reference loop, " +
+        detail::short_number(cpu.fp16_conv_weight_grad_ratio) + "x fp32's time; under a Half "
+        "policy declare them mixprec::nn::Conv2d and call mixprec::nn::fp32_conv_weight_grads");
+  }
   return advice;
 }
 

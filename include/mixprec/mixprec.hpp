@@ -3,11 +3,13 @@
 
 #include <mixprec/advise.hpp>
 #include <mixprec/autocast.hpp>
+#include <mixprec/capabilities.hpp>
 #include <mixprec/concepts.hpp>
 #include <mixprec/diagnostics.hpp>
 #include <mixprec/distributed.hpp>
 #include <mixprec/error.hpp>
 #include <mixprec/master_weights.hpp>
+#include <mixprec/nn.hpp>
 #include <mixprec/ops.hpp>
 #include <mixprec/policy.hpp>
 #include <mixprec/scaler.hpp>

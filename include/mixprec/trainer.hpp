@@ -16,6 +16,7 @@
 ///   trainer.save("run.ckpt");
 
 #include <mixprec/autocast.hpp>
+#include <mixprec/capabilities.hpp>
 #include <mixprec/concepts.hpp>
 #include <mixprec/detail/checkpoint_file.hpp>
 #include <mixprec/detail/model_cast.hpp>
@@ -24,6 +25,7 @@
 #include <mixprec/error.hpp>
 #include <mixprec/fused_adam.hpp>
 #include <mixprec/master_weights.hpp>
+#include <mixprec/nn.hpp>
 #include <mixprec/policy.hpp>
 #include <mixprec/scaler.hpp>
 
@@ -41,6 +43,7 @@
 #include <torch/optim/rmsprop.h>
 #include <torch/serialize/archive.h>
 
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <exception>
@@ -49,6 +52,7 @@
 #include <mutex>
 #include <optional>
 #include <ostream>
+#include <sstream>
 #include <string>
 #include <type_traits>
 #include <unordered_set>
@@ -128,6 +132,10 @@ struct TrainerOptions {
   /// fp16 would flush to zero or overflow at the loss scale: StepReport::gradient_stats and
   /// TrainerStats::gradient_stats. One extra read of the gradients on those steps only.
   TORCH_ARG(GradientStatsOptions, gradient_stats) = {};
+  /// Receives the Trainer's warnings (a precision that will be slow on this machine, ...);
+  /// unset, they go to LibTorch's warning handler (TORCH_WARN: stderr unless the program set
+  /// c10::WarningUtils' handler). mixprec never writes to stdout.
+  TORCH_ARG(std::function<void(const std::string&)>, on_warning) = nullptr;
 };
 
 namespace detail {
@@ -192,6 +200,48 @@ void check_optimizer_constants(const torch::optim::Optimizer& optimizer) {
                     "squared gradient that underflows divides by zero and turns the weights "
                     "inf/NaN. Set eps >= 1e-4 (e.g. AdamOptions(lr).eps(1e-4)), or use "
                     "MixedO2<at::Half> (fp32 master weights and optimizer state)");
+    }
+  }
+}
+
+// Whether the warning below was given in this process (tests reset it).
+inline std::atomic<bool>& slow_convolutions_warned() {
+  static std::atomic<bool> warned{false};
+  return warned;
+}
+
+// Once per process: a Half policy training convolutions on a CPU where LibTorch computes their
+// fp16 weight gradient with oneDNN's reference loop (capabilities.hpp).
+template <class P>
+void warn_slow_fp16_convolutions(const torch::nn::Module& model, const TrainerOptions& options,
+                                 c10::DeviceType device) {
+  if constexpr (P::low_dtype == c10::ScalarType::Half) {
+    if (device != c10::DeviceType::CPU) return;
+    const auto& cpu = cpu_capabilities();
+    if (!cpu.fp16_conv_weight_grad_slow) return;
+    const auto convolutions = nn::detail::fp16_weight_grad_convolutions(model);
+    if (convolutions.empty()) return;
+    if (slow_convolutions_warned().exchange(true)) return;
+    {
+      std::ostringstream message;
+      message << "mixprec: Trainer<" << P::name << "> trains " << convolutions.size()
+              << " convolution" << (convolutions.size() == 1 ? "" : "s") << " (";
+      for (std::size_t i = 0; i < convolutions.size() && i < 4; ++i) {
+        message << (i ? ", " : "") << (convolutions[i].empty() ? "the model" : convolutions[i]);
+      }
+      message << (convolutions.size() > 4 ? ", ..." : "") << ") in fp16 on " << cpu.model
+              << ", which has AVX512-FP16 but no AMX-FP16: LibTorch computes their weight "
+              << "gradients with oneDNN's reference loop, measured here at "
+              << cpu.fp16_conv_weight_grad_ratio << "x fp32's time (a whole CNN step: about "
+              << "37x). Remedy: declare them mixprec::nn::Conv2d and call "
+              << "mixprec::nn::fp32_conv_weight_grads(*model) (weight gradients in fp32, about "
+              << "fp32's step time), or train in bf16 (" << P::name.substr(0, P::name.find('<'))
+              << "<at::BFloat16>), which this CPU computes fast";
+      if (options.on_warning()) {
+        options.on_warning()(message.str());
+      } else {
+        TORCH_WARN(message.str());
+      }
     }
   }
 }
@@ -311,6 +361,7 @@ class Trainer {
     detail::dedupe_param_groups(optimizer);  // the optimizer steps each tensor once
     group_sizes_ = detail::group_sizes(optimizer);
     if (data_parallel_) bind_data_parallel();
+    detail::warn_slow_fp16_convolutions<P>(*model_, options_, device_type_);
   }
 
   /// For a ModuleHolder such as torch::nn::Sequential.
