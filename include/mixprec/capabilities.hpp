@@ -113,9 +113,9 @@ inline double conv_weight_grad_seconds(at::ScalarType dtype, int reps) {
   double best = 1e30;
   for (int r = 0; r < reps + 1; ++r) {  // the first call creates the kernel: not timed
     const auto start = std::chrono::steady_clock::now();
-    const auto grads = at::convolution_backward(grad_output, input, weight, std::nullopt, {1, 1},
-                                                {1, 1}, {1, 1}, false, {0, 0}, 1,
-                                                {false, true, false});
+    const auto grads =
+        at::convolution_backward(grad_output, input, weight, at::OptionalIntArrayRef(), {1, 1},
+                                 {1, 1}, {1, 1}, false, {0, 0}, 1, {false, true, false});
     (void)std::get<1>(grads).sum().item<float>();
     const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     if (r > 0) best = std::min(best, s);

@@ -27,6 +27,7 @@
 #include <array>
 #include <cstdint>
 #include <optional>
+#include <variant>
 #include <string>
 #include <vector>
 
@@ -35,6 +36,14 @@ namespace detail {
 
 // A 2-D convolution of same-dtype tensors whose backward computes the input gradient in that
 // dtype and the weight and bias gradients in fp32, rounded once to the weight's dtype.
+// The alternative T of a torch::nn option's variant, or nullptr: LibTorch 1.13's options hold a
+// c10::variant, 2.x's a std::variant; argument-dependent lookup finds the get_if of either.
+template <class T, class Variant>
+const T* variant_get_if(const Variant& v) noexcept {
+  using std::get_if;
+  return get_if<T>(&v);
+}
+
 struct Fp32WeightGradConv2d : torch::autograd::Function<Fp32WeightGradConv2d> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& input,
                             const at::Tensor& weight, const at::Tensor& bias,
@@ -62,7 +71,8 @@ struct Fp32WeightGradConv2d : torch::autograd::Function<Fp32WeightGradConv2d> {
     const auto grad = grads[0].contiguous();
     const std::vector<std::int64_t> no_output_padding(stride.size(), 0);
     const std::vector<std::int64_t> bias_sizes{weight.size(0)};
-    const auto bias_arg = has_bias ? std::optional<at::IntArrayRef>(bias_sizes) : std::nullopt;
+    const auto bias_arg =
+        has_bias ? at::OptionalIntArrayRef(bias_sizes) : at::OptionalIntArrayRef();
     at::Tensor grad_input, grad_weight, grad_bias;
     if (ctx->needs_input_grad(0)) {
       grad_input = std::get<0>(at::convolution_backward(grad, input, weight, bias_arg, stride,
@@ -120,17 +130,17 @@ class Conv2dImpl : public torch::nn::Conv2dImpl {
     // replicate and circular, and "same", which may be uneven) is applied first, as
     // torch::nn::Conv2d does for its modes.
     std::vector<std::int64_t> padding{0, 0};
-    const auto* explicit_padding = std::get_if<torch::ExpandingArray<2>>(&options.padding());
-    const bool zeros = std::get_if<torch::enumtype::kZeros>(&options.padding_mode()) != nullptr;
+    const auto* explicit_padding = detail::variant_get_if<torch::ExpandingArray<2>>(options.padding());
+    const bool zeros = detail::variant_get_if<torch::enumtype::kZeros>(options.padding_mode()) != nullptr;
     if (zeros && explicit_padding != nullptr) {
       padding = {(**explicit_padding)[0], (**explicit_padding)[1]};
     } else {
       auto pad = torch::nn::functional::PadFuncOptions(_reversed_padding_repeated_twice);
-      if (std::get_if<torch::enumtype::kReflect>(&options.padding_mode())) {
+      if (detail::variant_get_if<torch::enumtype::kReflect>(options.padding_mode())) {
         pad.mode(torch::kReflect);
-      } else if (std::get_if<torch::enumtype::kReplicate>(&options.padding_mode())) {
+      } else if (detail::variant_get_if<torch::enumtype::kReplicate>(options.padding_mode())) {
         pad.mode(torch::kReplicate);
-      } else if (std::get_if<torch::enumtype::kCircular>(&options.padding_mode())) {
+      } else if (detail::variant_get_if<torch::enumtype::kCircular>(options.padding_mode())) {
         pad.mode(torch::kCircular);
       }
       x = torch::nn::functional::pad(x, pad);
