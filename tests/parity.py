@@ -3,7 +3,8 @@
     python parity.py MODE INPUT OUTPUT
 
 MODE is fp32 (plain), bf16 (torch.autocast on the CPU) or fp16 (torch.autocast + the CPU
-GradScaler). INPUT is a torch::pickle_save dict from the C++ side: the initial weights
+GradScaler); branch_fp32 and branch_bf16 train the two-headed model of `branch()` instead, whose
+head b is used on even steps only, with AdamW (a parameter without a gradient is skipped). INPUT is a torch::pickle_save dict from the C++ side: the initial weights
 (param.NAME), the data (x, y) and the hyperparameters (steps, batch, lr, momentum, and for fp16
 init_scale, growth_interval). OUTPUT gets one line per step: "loss scale skipped", the loss as
 repr() of the fp32 value, the scale the step used, and 1 when the step was skipped.
@@ -19,9 +20,45 @@ def build_model():
                                torch.nn.ReLU(), torch.nn.Linear(64, 4))
 
 
+class Branchy(torch.nn.Module):
+    # The C++ test's model: a trunk and two heads, the same parameter names.
+    def __init__(self):
+        super().__init__()
+        self.trunk = torch.nn.Linear(16, 32)
+        self.a = torch.nn.Linear(32, 4)
+        self.b = torch.nn.Linear(32, 4)
+
+    def forward(self, x, use_b):
+        h = torch.relu(self.trunk(x))
+        return self.a(h) + self.b(h) if use_b else self.a(h)
+
+
+def branch(mode, data, output_path):
+    """AdamW on the two-headed model; OUTPUT gets one line per step: every parameter's values,
+    flattened in named_parameters() order, as repr() of each float."""
+    model = Branchy()
+    model.load_state_dict({k[len("param."):]: v for k, v in data.items() if k.startswith("param.")})
+    x, y = data["x"], data["y"]
+    steps, batch = int(data["steps"]), int(data["batch"])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=float(data["lr"]),
+                                  weight_decay=float(data["weight_decay"]), foreach=False)
+    with open(output_path, "w") as out:
+        for step in range(steps):
+            xb, yb = x[step * batch:(step + 1) * batch], y[step * batch:(step + 1) * batch]
+            optimizer.zero_grad()  # set_to_none=True
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=mode == "branch_bf16"):
+                loss = torch.nn.functional.cross_entropy(model(xb, step % 2 == 0), yb)
+            loss.float().backward()
+            optimizer.step()
+            values = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+            out.write(" ".join(repr(v) for v in values.tolist()) + "\n")
+
+
 def main(mode, input_path, output_path):
     torch.set_num_threads(1)
     data = torch.load(input_path, weights_only=False)
+    if mode.startswith("branch"):
+        return branch(mode, data, output_path)
     model = build_model()
     model.load_state_dict({k[len("param."):]: v for k, v in data.items() if k.startswith("param.")})
     x, y = data["x"], data["y"]

@@ -31,11 +31,23 @@ inline std::vector<at::Tensor> snapshot(const std::vector<at::Tensor>& params) {
   return copies;
 }
 
-/// Bitwise equality of two tensor lists (dtype, shape and every bit).
+/// A tensor's bytes, in its logical order: what "bitwise" compares (+0 and -0 differ, a NaN
+/// equals the same NaN, unlike at::equal).
+inline at::Tensor bytes_of(const at::Tensor& t) {
+  return t.detach().cpu().contiguous().reshape({-1}).view(at::kByte);
+}
+
+/// Bitwise equality of two tensors: dtype, shape and every bit.
+inline bool identical(const at::Tensor& a, const at::Tensor& b) {
+  return a.scalar_type() == b.scalar_type() && a.sizes() == b.sizes() &&
+         bytes_of(a).equal(bytes_of(b));
+}
+
+/// Bitwise equality of two tensor lists.
 inline bool identical(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b) {
   if (a.size() != b.size()) return false;
   for (std::size_t i = 0; i < a.size(); ++i) {
-    if (a[i].scalar_type() != b[i].scalar_type() || !a[i].equal(b[i])) return false;
+    if (!identical(a[i], b[i])) return false;
   }
   return true;
 }
@@ -73,6 +85,21 @@ inline AdamMoments adam_moments(torch::optim::Optimizer& optimizer) {
   }
   return m;
 }
+
+/// A trunk and two heads; head `b` joins the output only where `use_b` says (a branch taken on
+/// some steps only, a head trained on one task of several). tests/parity.py has its twin.
+struct Branchy : torch::nn::Module {
+  Branchy() {
+    trunk = register_module("trunk", torch::nn::Linear(16, 32));
+    a = register_module("a", torch::nn::Linear(32, 4));
+    b = register_module("b", torch::nn::Linear(32, 4));
+  }
+  at::Tensor forward(const at::Tensor& x, bool use_b) {
+    const auto h = torch::relu(trunk->forward(x));
+    return use_b ? a->forward(h) + b->forward(h) : a->forward(h);
+  }
+  torch::nn::Linear trunk{nullptr}, a{nullptr}, b{nullptr};
+};
 
 /// Writes bytes to a file under the test temporary directory; returns its path.
 inline std::string temp_path(const std::string& name) {

@@ -88,9 +88,9 @@ struct Frozen {
     text << std::hexfloat << w.adam.state().size() << " " << w.adam.param_groups().size() << " "
          << w.adam.param_groups()[0].options().get_lr() << " " << scaler.get_scale() << " "
          << scaler.growth_tracker() << " " << scaler.hysteresis_tracker() << " " << stats.steps
-         << " " << stats.skipped_steps << " " << stats.micro_batches << " "
-         << at::detail::getDefaultCPUGenerator().get_state().sum().item<std::int64_t>();
+         << " " << stats.skipped_steps << " " << stats.micro_batches;
     rest = text.str();
+    tensors.push_back(at::detail::getDefaultCPUGenerator().get_state());  // every byte
   }
   bool operator==(const Frozen& other) const {
     return test::identical(tensors, other.tensors) && moments == other.moments &&

@@ -770,3 +770,66 @@ TEST_CASE("tied weights and a late param group: a checkpoint resumes bit-identic
   CHECK_THROWS_WITH_AS(without.trainer.load(path), doctest::Contains("holds more than the 4 master"),
                        mp::Error);
 }
+
+namespace {
+
+// One optimizer of each LibTorch kind over `params`, by name.
+std::unique_ptr<torch::optim::Optimizer> make_named_optimizer(const std::string& name,
+                                                              const std::vector<at::Tensor>& params) {
+  if (name == "SGD") return std::make_unique<torch::optim::SGD>(params, torch::optim::SGDOptions(0.1).momentum(0.9));
+  if (name == "Adam") return std::make_unique<torch::optim::Adam>(params, torch::optim::AdamOptions(1e-2));
+  if (name == "Adam amsgrad") {
+    return std::make_unique<torch::optim::Adam>(params, torch::optim::AdamOptions(1e-2).amsgrad(true));
+  }
+  if (name == "AdamW") return std::make_unique<torch::optim::AdamW>(params, torch::optim::AdamWOptions(1e-2));
+  if (name == "Adagrad") return std::make_unique<torch::optim::Adagrad>(params, torch::optim::AdagradOptions(1e-2));
+  return std::make_unique<torch::optim::RMSprop>(params, torch::optim::RMSpropOptions(1e-2));
+}
+
+}  // namespace
+
+TEST_CASE("a checkpoint of one optimizer type (or amsgrad setting) loads into no other: an Error naming both") {
+  const std::vector<std::string> names{"SGD", "Adam", "Adam amsgrad", "AdamW", "Adagrad", "RMSprop"};
+  const Batch batch(5);
+  for (const auto& saved : names) {
+    torch::manual_seed(1);
+    auto net = std::make_shared<Net>();
+    auto optimizer = make_named_optimizer(saved, net->parameters());
+    mp::Trainer<mp::FullPrecision> trainer(net, *optimizer);
+    trainer.step([&] { return torch::nn::functional::cross_entropy(net->forward(batch.x), batch.y); });
+    const auto path = test::temp_path("optimizer_type.ckpt");
+    trainer.save(path);
+    for (const auto& loading : names) {
+      CAPTURE(saved);
+      CAPTURE(loading);
+      torch::manual_seed(2);
+      auto other = std::make_shared<Net>();
+      auto other_optimizer = make_named_optimizer(loading, other->parameters());
+      mp::Trainer<mp::FullPrecision> other_trainer(other, *other_optimizer);
+      other_trainer.step([&] { return torch::nn::functional::cross_entropy(other->forward(batch.x), batch.y); });
+      const auto before = test::snapshot(other->parameters());
+      const auto state_before = other_optimizer->state().size();
+      if (saved == loading) {
+        CHECK_NOTHROW(other_trainer.load(path));
+        CHECK(test::identical(test::snapshot(other->parameters()), test::snapshot(net->parameters())));
+        continue;
+      }
+      std::string message;
+      try {
+        other_trainer.load(path);
+      } catch (const mp::Error& e) {
+        message = e.what();
+      }
+      const bool amsgrad_only = saved.rfind("Adam ", 0) == 0 ? loading == "Adam"
+                                                             : saved == "Adam" && loading == "Adam amsgrad";
+      if (amsgrad_only) {
+        CHECK(message.find("amsgrad(") != std::string::npos);
+      } else {
+        CHECK(message.find("written with a torch::optim::") != std::string::npos);
+        CHECK(message.find("steps a torch::optim::") != std::string::npos);
+      }
+      CHECK(test::identical(test::snapshot(other->parameters()), before));
+      CHECK(other_optimizer->state().size() == state_before);
+    }
+  }
+}

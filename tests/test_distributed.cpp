@@ -246,6 +246,19 @@ bool same_on_every_rank(Rank& r, const std::vector<torch::Tensor>& tensors) {
   return same;
 }
 
+// Rank 0's values of `tensors`, on every rank (copies).
+std::vector<torch::Tensor> rank0_values(Rank& r, const std::vector<torch::Tensor>& tensors) {
+  std::vector<torch::Tensor> result;
+  for (const auto& t : tensors) {
+    std::vector<torch::Tensor> bits{mp::DataParallel::as_bits(t.detach().clone().contiguous())};
+    c10d::BroadcastOptions options;
+    options.rootRank = 0;
+    r.group->broadcast(bits, options)->wait();
+    result.push_back(mp::DataParallel::from_bits(bits[0], t).view(t.sizes()));
+  }
+  return result;
+}
+
 // N ranks x batch B against one process x batch N*B, on the same data and weights (rank 0's:
 // the ranks start from different seeds, so the construction's broadcast is tested too). One
 // input of the last rank is inf at step 3: every rank must skip it, as the one process does.
@@ -403,6 +416,100 @@ void case_mismatch(Rank& r) {
   } catch (const mp::Error& e) {
     const std::string message = e.what();
     RANK_EXPECT(message.find("ranks [1] differ from rank 0's") != std::string::npos, message);
+  }
+}
+
+// Ranks that freeze different tensors of the same shape: an Error on every rank at the next
+// step, before its backward pass, the parameters as they were.
+void case_frozen_mismatch(Rank& r) {
+  torch::manual_seed(1);
+  torch::nn::Sequential net(torch::nn::Linear(8, 8), torch::nn::Linear(8, 8), torch::nn::Linear(8, 4));
+  torch::optim::SGD optimizer(net->parameters(), torch::optim::SGDOptions(0.1));
+  mp::Trainer<mp::FullPrecision> trainer(
+      net, optimizer, mp::TrainerOptions().distributed(mp::DistributedOptions(r.group)));
+  auto gen = at::detail::createCPUGenerator(5);
+  const auto loss = [&] {
+    auto x = dyadic({4, 8}, gen);
+    return net->forward(x).pow(2).mean();
+  };
+  trainer.step(loss);
+  for (auto& p : net[static_cast<std::size_t>(r.rank)]->parameters()) p.requires_grad_(false);
+  const auto before = snapshot(net->parameters());
+  try {
+    trainer.step(loss);
+    RANK_EXPECT(false, "no Error for ranks that froze different tensors");
+  } catch (const mp::Error& e) {
+    const std::string message = e.what();
+    RANK_EXPECT(message.find("freeze the same parameters") != std::string::npos, message);
+  }
+  RANK_EXPECT(identical(net->parameters(), before), "parameters changed");
+}
+
+// A rank whose step() threw (in its loss_fn, before any collective) and that goes on: its next
+// step's gradients meet the others' current ones. The agreement compares the ranks' step()
+// calls: an Error on every rank, before anything steps.
+void case_diverged(Rank& r) {
+  auto net = dyadic_net(1);
+  auto optimizer = sgd_for(net);
+  mp::Trainer<mp::FullPrecision> trainer(
+      net, *optimizer, mp::TrainerOptions().distributed(mp::DistributedOptions(r.group)));
+  auto gen = at::detail::createCPUGenerator(5);
+  std::string message;
+  std::vector<torch::Tensor> before;
+  try {
+    for (int k = 0; k < 4; ++k) {
+      Batch b{dyadic({4, 8}, gen), dyadic({4, 4}, gen)};
+      before = snapshot(net->parameters());
+      try {
+        trainer.step([&] {
+          if (k == 1 && r.rank == 1) throw std::runtime_error("a bad batch");
+          return loss_of(trainer, net, b);
+        });
+      } catch (const std::runtime_error& e) {
+        if (std::string(e.what()) != "a bad batch") throw;
+      }
+    }
+  } catch (const mp::Error& e) {
+    message = e.what();
+  }
+  RANK_EXPECT(message.find("the ranks are at different steps") != std::string::npos,
+              "no Error, or another: " << message);
+  RANK_EXPECT(identical(net->parameters(), before), "the step that found it changed the model");
+}
+
+// Saved by 2 ranks, resumed by 3: ranks 0 and 1 get their saved random streams, rank 2 one
+// derived for it (detail::derived_rng_state), not rank 0's: its dropout masks differ.
+void case_grow(Rank& r) {
+  const auto checkpoint = (std::filesystem::path(r.dir).parent_path() / "grow.ckpt").string();
+  auto net = dyadic_net(1);
+  torch::manual_seed(100 + r.rank);  // after dyadic_net, which seeds
+  auto optimizer = sgd_for(net);
+  mp::Trainer<mp::FullPrecision> trainer(
+      net, *optimizer, mp::TrainerOptions().distributed(mp::DistributedOptions(r.group)));
+  if (r.world == 2) {
+    auto gen = at::detail::createCPUGenerator(5);
+    Batch b{dyadic({4, 8}, gen), dyadic({4, 4}, gen)};
+    trainer.step([&] { return loss_of(trainer, net, b); });
+    trainer.save(checkpoint);
+    return;
+  }
+  trainer.load(checkpoint);
+  const auto rank0_state = rank0_values(r, {at::detail::getDefaultCPUGenerator().get_state()})[0];
+  if (r.rank == 2) {
+    RANK_EXPECT(identical(at::detail::getDefaultCPUGenerator().get_state(),
+                          mp::detail::derived_rng_state(rank0_state, 2)),
+                "rank 2's stream is not the derived one");
+  }
+  const auto mask = torch::dropout(torch::ones({64}), 0.5, true);
+  std::vector<std::vector<torch::Tensor>> all(1);
+  for (int k = 0; k < r.world; ++k) all[0].push_back(torch::empty_like(mask));
+  std::vector<torch::Tensor> mine{mask};
+  r.group->allgather(all, mine)->wait();
+  for (int a = 0; a < r.world; ++a) {
+    for (int b = a + 1; b < r.world; ++b) {
+      RANK_EXPECT(!torch::equal(all[0][static_cast<std::size_t>(a)], all[0][static_cast<std::size_t>(b)]),
+                  "ranks " << a << " and " << b << " drew the same dropout mask");
+    }
   }
 }
 
@@ -611,6 +718,50 @@ void case_buffers(Rank& r) {
   RANK_EXPECT(same_on_every_rank(r, net->parameters()), "parameters differ across ranks");
 }
 
+// DDP's buffer semantics with accumulation and evaluation: rank 0's buffers before the first
+// micro-batch of each step only (each rank's own micro-batches then update its copy), and
+// before the first evaluation forward after a step, so that every rank evaluates alike. Replayed
+// by hand on a copy of the model, micro-batch by micro-batch.
+void case_evaluate(Rank& r) {
+  torch::manual_seed(1);
+  torch::nn::Sequential net(torch::nn::Linear(8, 8), torch::nn::BatchNorm1d(8), torch::nn::Linear(8, 4));
+  torch::optim::SGD optimizer(net->parameters(), torch::optim::SGDOptions(0.1));
+  mp::Trainer<mp::MixedO2<at::BFloat16>> trainer(
+      net, optimizer,
+      mp::TrainerOptions().accumulation_steps(2).distributed(mp::DistributedOptions(r.group)));
+  auto gen = at::detail::createCPUGenerator(20 + r.rank);  // each rank its own data
+  for (int k = 0; k < 3; ++k) {
+    const auto x1 = dyadic({4, 8}, gen), x2 = dyadic({4, 8}, gen);
+    auto replica = std::dynamic_pointer_cast<torch::nn::SequentialImpl>(net->clone());
+    {
+      torch::NoGradGuard no_grad;
+      const auto start = rank0_values(r, net->buffers());
+      auto buffers = replica->buffers();
+      for (std::size_t i = 0; i < buffers.size(); ++i) buffers[i].copy_(start[i]);
+      replica->forward(x1.to(at::kBFloat16));
+      replica->forward(x2.to(at::kBFloat16));
+    }
+    for (const auto& x : {x1, x2}) {
+      trainer.step([&] { return net->forward(trainer.cast_input(x)).to(torch::kFloat).pow(2).mean(); });
+    }
+    RANK_EXPECT(identical(net->buffers(), replica->buffers()),
+                "step " << k << ": the buffers are not rank 0's updated by this rank's micro-batches");
+  }
+  std::vector<torch::Tensor> floating;
+  for (const auto& t : net->buffers()) {
+    if (t.is_floating_point()) floating.push_back(t);
+  }
+  RANK_EXPECT(!same_on_every_rank(r, floating), "the ranks' own statistics should differ");
+  const auto expected = rank0_values(r, net->buffers());
+  auto common = at::detail::createCPUGenerator(99);
+  const auto x = dyadic({4, 8}, common);
+  for (int k = 0; k < 2; ++k) {
+    const auto out = trainer.evaluate([&] { return net->forward(trainer.cast_input(x)); });
+    RANK_EXPECT(same_on_every_rank(r, {out}), "evaluate() " << k << ": outputs differ across ranks");
+    RANK_EXPECT(identical(net->buffers(), expected), "evaluate() did not use rank 0's buffers");
+  }
+}
+
 int run_rank(const std::string& name, int rank, int world, const std::string& dir) {
   Rank r{rank, world, dir, {}};
   auto store = c10::make_intrusive<c10d::FileStore>(dir + "/store", world);
@@ -623,11 +774,15 @@ int run_rank(const std::string& name, int rank, int world, const std::string& di
       {"overflow", case_overflow},
       {"unused", case_unused},
       {"mismatch", case_mismatch},
+      {"frozen_mismatch", case_frozen_mismatch},
+      {"diverged", case_diverged},
+      {"grow", case_grow},
       {"kill", case_kill},
       {"resume", case_resume},
       {"checkpoint_errors", case_checkpoint_errors},
       {"kill_resume", case_kill_resume},
       {"buffers", case_buffers},
+      {"evaluate", case_evaluate},
   };
   try {
     r.group = mp::gloo_group(store, rank, world, std::chrono::seconds(30));
@@ -777,6 +932,20 @@ TEST_CASE("distributed: models that differ across ranks are an Error on every ra
   require_all_passed(run_ranks("mismatch", 2));
 }
 
+TEST_CASE("distributed: ranks that froze different tensors of the same shapes: an Error on every rank") {
+  require_all_passed(run_ranks("frozen_mismatch", 2));
+}
+
+TEST_CASE("distributed: a rank that goes on after its step() threw: an Error on every rank") {
+  require_all_passed(run_ranks("diverged", 2));
+}
+
+TEST_CASE("distributed: resumed on more ranks than saved, every rank has a random stream of its own") {
+  const auto dir = fresh_dir("grow");
+  require_all_passed(run_ranks("grow", 2, std::chrono::seconds(120), dir / "save"));
+  require_all_passed(run_ranks("grow", 3, std::chrono::seconds(120), dir / "load"));
+}
+
 TEST_CASE("distributed: a resumed 2-process run equals the uninterrupted one bitwise") {
   require_all_passed(run_ranks("resume", 2));
 }
@@ -797,10 +966,11 @@ TEST_CASE("distributed: killed and restarted from its checkpoints, a run ends as
   for (int attempt = 0;; ++attempt) {
     REQUIRE(attempt < 60);
     // Five kills at random moments (of either rank, inside save() among them), then a run to
-    // the end; a kill before the first checkpoint only costs time.
+    // the end; a kill before the first checkpoint only costs time. Each step takes at least
+    // 10 ms and a checkpoint comes every 4 steps, so a kill within 100 ms of the start saves at
+    // most 8 steps: five of them leave 20 of the 60 steps, and every kill lands.
     std::optional<Kill> kill;
-    // The run trains 60 steps of about 10 ms from wherever it resumed.
-    if (kills < 5) kill = Kill{static_cast<int>(random() % 2), std::chrono::milliseconds(random() % 300)};
+    if (kills < 5) kill = Kill{static_cast<int>(random() % 2), std::chrono::milliseconds(random() % 100)};
     const auto outcomes = run_ranks("kill_resume", 2, std::chrono::seconds(240),
                                     interrupted / ("attempt" + std::to_string(attempt)), kill);
     MESSAGE("attempt ", attempt, (kill ? " kill rank " + std::to_string(kill->rank) + " after " +
@@ -817,7 +987,7 @@ TEST_CASE("distributed: killed and restarted from its checkpoints, a run ends as
     if (all_done && !std::filesystem::exists(interrupted / "final.pt")) all_done = false;
     if (all_done) break;
   }
-  CHECK(kills >= 3);  // a run that finishes before its kill ends the loop early
+  CHECK(kills == 5);
   std::vector<torch::Tensor> got;
   torch::load(got, (interrupted / "final.pt").string());
   REQUIRE(got.size() == expected.size());
@@ -829,6 +999,10 @@ TEST_CASE("distributed: killed and restarted from its checkpoints, a run ends as
 
 TEST_CASE("distributed: BatchNorm buffers follow rank 0's, parameters agree bitwise") {
   require_all_passed(run_ranks("buffers", 2));
+}
+
+TEST_CASE("distributed: buffers as DDP's: rank 0's at each step's first micro-batch and before evaluate()") {
+  require_all_passed(run_ranks("evaluate", 2));
 }
 
 TEST_CASE("distributed: a rank killed mid-run makes the others throw mixprec::Error, not hang") {

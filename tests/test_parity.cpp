@@ -156,8 +156,86 @@ TEST_CASE("parity with PyTorch: MixedO1<BFloat16> vs torch.autocast(bfloat16)") 
   check_parity<mp::MixedO1<at::BFloat16>>("bf16", std::ldexp(1.0, -8));  // one bf16 ulp
 }
 
-#if MIXPREC_TORCH_AT_LEAST(2, 4)
-TEST_CASE("parity with PyTorch: MixedO1<Half> vs torch.autocast(float16) + GradScaler(\"cpu\")") {
+TEST_CASE("parity with PyTorch: MixedO1<Half> vs torch.autocast(float16) + GradScaler(\"cpu\")" *
+          doctest::skip(!mp::cpu_half_math)) {
   check_parity<mp::MixedO1<at::Half>>("fp16", std::ldexp(1.0, -11));  // one fp16 ulp
 }
-#endif
+
+namespace {
+
+// AdamW on a model with a branch taken every other step, against Python's AdamW, whose
+// zero_grad() sets gradients to none so that the step skips the unused head: every parameter
+// compared after every step.
+template <class P>
+void check_branch_parity(const std::string& mode, double tolerance,
+                         mp::TrainerOptions options = {}) {
+  torch::set_num_threads(1);
+  const std::int64_t steps = 8, batch = 16;
+  const auto [x, y] = make_data();
+  torch::manual_seed(13);
+  auto model = std::make_shared<test::Branchy>();
+  const auto input = test::temp_path("parity_" + mode + ".pt");
+  {
+    c10::impl::GenericDict dict(c10::StringType::get(), c10::AnyType::get());
+    for (const auto& item : model->named_parameters()) {
+      dict.insert("param." + item.key(), item.value().detach().clone());
+    }
+    dict.insert("x", x);
+    dict.insert("y", y);
+    dict.insert("steps", steps);
+    dict.insert("batch", batch);
+    dict.insert("lr", 1e-2);
+    dict.insert("weight_decay", 0.5);
+    const auto bytes = torch::pickle_save(c10::IValue(dict));
+    std::ofstream(input, std::ios::binary)
+        .write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+  }
+  const auto output = test::temp_path("parity_" + mode + ".txt");
+  std::remove(output.c_str());
+  const auto command = std::string(MIXPREC_SYSTEM_PYTHON) + " " + MIXPREC_PARITY_SCRIPT + " " +
+                       mode + " " + input + " " + output;
+  REQUIRE(std::system(command.c_str()) == 0);
+  std::ifstream python(output);
+
+  torch::optim::AdamW adamw(model->parameters(),
+                            torch::optim::AdamWOptions(1e-2).weight_decay(0.5));
+  mp::Trainer<P> trainer(model, adamw, options);
+  double largest = 0;
+  for (std::int64_t step = 0; step < steps; ++step) {
+    CAPTURE(step);
+    const auto xb = x.slice(0, step * batch, (step + 1) * batch);
+    const auto yb = y.slice(0, step * batch, (step + 1) * batch);
+    REQUIRE(trainer.step([&] {
+      return torch::nn::functional::cross_entropy(model->forward(trainer.cast_input(xb), step % 2 == 0), yb);
+    }).stepped());
+    std::vector<at::Tensor> flat;
+    for (const auto& p : model->parameters()) flat.push_back(p.detach().to(at::kDouble).reshape({-1}));
+    const auto ours = at::cat(flat);
+    std::string line;
+    REQUIRE(std::getline(python, line));
+    std::istringstream values(line);
+    std::vector<double> theirs;
+    for (double v = 0; values >> v;) theirs.push_back(v);
+    REQUIRE(static_cast<std::int64_t>(theirs.size()) == ours.numel());
+    const auto diff = (ours - at::tensor(theirs, at::kDouble)).abs().max().item<double>();
+    largest = std::max(largest, diff);
+    CHECK(diff <= tolerance);
+  }
+  MESSAGE(P::name, " vs Python AdamW (", mode, "), head b on even steps only: largest parameter "
+          "difference over ", steps, " steps ", largest);
+}
+
+}  // namespace
+
+TEST_CASE("parity with PyTorch: an unused head is skipped by AdamW, FullPrecision vs plain Python") {
+  check_branch_parity<mp::FullPrecision>("branch_fp32", 1e-6);
+}
+
+TEST_CASE("parity with PyTorch: ... and MixedO1<BFloat16> vs torch.autocast(bfloat16)") {
+  check_branch_parity<mp::MixedO1<at::BFloat16>>("branch_bf16", 1e-6);
+}
+
+TEST_CASE("parity with PyTorch: ... and the fused AdamW step" * doctest::skip(!mp::fused_adam_available)) {
+  check_branch_parity<mp::FullPrecision>("branch_fp32", 1e-6,
+                                         mp::TrainerOptions().fused_optimizer(true));
+}

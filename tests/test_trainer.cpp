@@ -10,7 +10,10 @@
 
 #include <cstdio>
 #include <fstream>
+#include <functional>
 #include <limits>
+#include <map>
+#include <string>
 
 namespace mp = mixprec;
 
@@ -626,4 +629,158 @@ TEST_CASE("a StaticScaler policy trains bit-identically to the unscaled one and 
       mp::Trainer<StaticO2>(fresh_net, fresh_adam,
                             mp::TrainerOptions().scaler(mp::GradScalerOptions().growth_interval(10))),
       doctest::Contains("StaticScaler keeps its scale fixed"), mp::Error);
+}
+
+namespace {
+
+using test::Branchy;
+
+// Trains 4 steps with head b in step 0 only; checks after each later step that b did not move
+// and holds no gradient (model and master), while the trunk did move.
+template <class P>
+void unused_head_stays(const mp::TrainerOptions& options) {
+  torch::manual_seed(3);
+  auto net = std::make_shared<Branchy>();
+  torch::optim::AdamW adamw(net->parameters(), torch::optim::AdamWOptions(1e-2).weight_decay(0.5));
+  mp::Trainer<P> trainer(net, adamw, options);
+  const Task task;
+  const auto n = options.accumulation_steps();
+  for (int step = 0; step < 4; ++step) {
+    const auto before_b = test::snapshot(net->b->parameters());
+    const auto before_trunk = test::snapshot(net->trunk->parameters());
+    for (std::int64_t k = 0; k < n; ++k) {
+      const auto x = task.x.slice(0, 32 * (step * n + k), 32 * (step * n + k + 1));
+      const auto y = task.y.slice(0, 32 * (step * n + k), 32 * (step * n + k + 1));
+      REQUIRE(trainer.step([&] {
+        return torch::nn::functional::cross_entropy(net->forward(trainer.cast_input(x), step == 0), y);
+      }).status != mp::StepStatus::skipped);
+    }
+    CHECK_FALSE(test::identical(test::snapshot(net->trunk->parameters()), before_trunk));
+    if (step == 0) {
+      CHECK_FALSE(test::identical(test::snapshot(net->b->parameters()), before_b));
+      continue;
+    }
+    CAPTURE(step);
+    CHECK(test::identical(test::snapshot(net->b->parameters()), before_b));
+    for (const auto& p : net->b->parameters()) CHECK_FALSE(p.grad().defined());
+    const auto masters = trainer.master_weights();  // optimizer order: trunk, a, b
+    for (std::size_t i = masters.size() >= 2 ? masters.size() - 2 : 0; i < masters.size(); ++i) {
+      CHECK_FALSE(masters[i].grad().defined());
+    }
+  }
+}
+
+}  // namespace
+
+TEST_CASE_TEMPLATE("a parameter a step did not reach keeps no gradient and does not move (AdamW)", P,
+                   mp::FullPrecision, mp::MixedO1<at::BFloat16>, mp::MixedO2<at::BFloat16>,
+                   mp::PureHalf<at::BFloat16>, ScaledO2) {
+  SUBCASE("one micro-batch per step") { unused_head_stays<P>(mp::TrainerOptions()); }
+  SUBCASE("accumulation") { unused_head_stays<P>(mp::TrainerOptions().accumulation_steps(2)); }
+  SUBCASE("clipping") { unused_head_stays<P>(mp::TrainerOptions().max_grad_norm(0.5)); }
+}
+
+TEST_CASE_TEMPLATE("a parameter a step did not reach does not move: the fused AdamW step" * doctest::skip(!mp::fused_adam_available), P,
+                   mp::FullPrecision, mp::MixedO1<at::BFloat16>, mp::MixedO2<at::BFloat16>,
+                   ScaledO2) {
+  unused_head_stays<P>(mp::TrainerOptions().fused_optimizer(true));
+}
+
+TEST_CASE("max_consecutive_skips: an Error after K skipped steps in a row, naming the inf/NaN") {
+  torch::manual_seed(0);
+  auto net = std::make_shared<Net>();
+  torch::optim::SGD sgd(net->parameters(), torch::optim::SGDOptions(0.1));
+  std::int64_t reported = 0;
+  mp::Trainer<ScaledO2> trainer(net, sgd, mp::TrainerOptions().max_consecutive_skips(3).on_step(
+                                              [&](const mp::StepReport&) { ++reported; }));
+  const Task task;
+  const auto x = task.x.slice(0, 0, 32), y = task.y.slice(0, 0, 32);
+  const auto nan_loss = [&] {
+    return torch::nn::functional::cross_entropy(net->forward(trainer.cast_input(x)), y) *
+           std::numeric_limits<float>::quiet_NaN();
+  };
+  // Two skips, a step: the count starts again.
+  CHECK(trainer.step(nan_loss).status == mp::StepStatus::skipped);
+  CHECK(trainer.step(nan_loss).status == mp::StepStatus::skipped);
+  CHECK(trainer.step(loss_of(trainer, net, x, y)).stepped());
+  CHECK(trainer.step(nan_loss).status == mp::StepStatus::skipped);
+  CHECK(trainer.step(nan_loss).status == mp::StepStatus::skipped);
+  std::string message;
+  try {
+    trainer.step(nan_loss);
+  } catch (const mp::Error& e) {
+    message = e.what();
+  }
+  MESSAGE(message);
+  CHECK(message.find("the last 3 optimizer steps") != std::string::npos);
+  CHECK(message.find("in the loss") != std::string::npos);
+  CHECK(message.find("max_consecutive_skips") != std::string::npos);
+  CHECK(reported == 6);  // the third skip was reported before the Error
+  CHECK(trainer.stats().skipped_steps == 5);
+
+  SUBCASE("0: no limit") {
+    auto net2 = std::make_shared<Net>();
+    torch::optim::SGD sgd2(net2->parameters(), torch::optim::SGDOptions(0.1));
+    mp::Trainer<ScaledO2> unlimited(net2, sgd2, mp::TrainerOptions().max_consecutive_skips(0));
+    for (int k = 0; k < 70; ++k) {
+      CHECK(unlimited.step([&] {
+        return torch::nn::functional::cross_entropy(net2->forward(unlimited.cast_input(x)), y) *
+               std::numeric_limits<float>::quiet_NaN();
+      }).status == mp::StepStatus::skipped);
+    }
+  }
+}
+
+TEST_CASE("max_consecutive_skips < 0 is an Error before anything changes") {
+  torch::manual_seed(0);
+  auto net = std::make_shared<Net>();
+  torch::optim::SGD sgd(net->parameters(), torch::optim::SGDOptions(0.1));
+  const auto before = test::snapshot(net->parameters());
+  CHECK_THROWS_WITH_AS(mp::Trainer<ScaledO2>(net, sgd, mp::TrainerOptions().max_consecutive_skips(-1)),
+                       doctest::Contains("max_consecutive_skips must be >= 0"), mp::Error);
+  CHECK(test::identical(test::snapshot(net->parameters()), before));
+}
+
+TEST_CASE_TEMPLATE("a Trainer call from inside loss_fn or evaluate's forward: an Error, nothing changed", P,
+                   mp::FullPrecision, mp::MixedO2<at::BFloat16>, ScaledO2) {
+  torch::manual_seed(0);
+  auto net = std::make_shared<Net>();
+  torch::optim::Adam adam(net->parameters(), torch::optim::AdamOptions(1e-2));
+  mp::Trainer<P> trainer(net, adam);
+  const Task task;
+  const auto x = task.x.slice(0, 0, 32), y = task.y.slice(0, 0, 32);
+  REQUIRE(trainer.step(loss_of(trainer, net, x, y)).stepped());
+  const auto checkpoint = test::temp_path("reentrant.ckpt");
+  trainer.save(checkpoint);
+  const auto params = test::snapshot(net->parameters());
+  const auto masters = test::snapshot(trainer.master_weights());
+  const auto moments = test::adam_moments(adam);
+  const auto stats = trainer.stats();
+  const std::map<std::string, std::function<void()>> inner{
+      {"step", [&] { trainer.step(loss_of(trainer, net, x, y)); }},
+      {"save", [&] { trainer.save(checkpoint); }},
+      {"load", [&] { trainer.load(checkpoint); }},
+      {"evaluate", [&] { trainer.evaluate([&] { return net->forward(trainer.cast_input(x)); }); }},
+  };
+  for (const auto& [name, call] : inner) {
+    CAPTURE(name);
+    CHECK_THROWS_WITH_AS(trainer.step([&] {
+                           auto loss = loss_of(trainer, net, x, y)();
+                           call();
+                           return loss;
+                         }),
+                         doctest::Contains("called from inside step()'s loss_fn"), mp::Error);
+    CHECK_THROWS_WITH_AS(trainer.evaluate([&] {
+                           call();
+                           return net->forward(trainer.cast_input(x));
+                         }),
+                         doctest::Contains("called from inside evaluate()'s forward"), mp::Error);
+    CHECK(test::identical(test::snapshot(net->parameters()), params));
+    CHECK(test::identical(test::snapshot(trainer.master_weights()), masters));
+    CHECK(test::adam_moments(adam) == moments);
+    CHECK(trainer.stats().steps == stats.steps);
+    CHECK(trainer.stats().micro_batches == stats.micro_batches);
+  }
+  // And the Trainer works normally afterwards.
+  CHECK(trainer.step(loss_of(trainer, net, x, y)).stepped());
 }

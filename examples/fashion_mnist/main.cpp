@@ -61,7 +61,7 @@ struct Config {
   double half_budget = 100;          // seconds of training for the fp16 group's four runs
   std::int64_t test_size = 10000;
   std::int64_t batch_size = 64;
-  double lr = 0.05;
+  double lr = 0.02;
   std::string policy = "all";
   std::string device = "cpu";
   std::string dtype = mixprec::cpu_half_math ? "both" : "bf16";
@@ -525,6 +525,7 @@ int main(int argc, char** argv) {
       if (app.count("--train-size") == 0) c.train_size = 512;
       if (app.count("--test-size") == 0) c.test_size = 1000;
       if (app.count("--epochs") == 0) c.epochs = 2;
+      if (app.count("--lr") == 0) c.lr = 0.05;  // 16 steps learn only at a larger rate
       if (app.count("--half-train-size") == 0) c.half_train_size = c.train_size;
     }
   } catch (const CLI::CallForHelp&) {

@@ -137,7 +137,7 @@ class DataParallel {
     state_->world = group().getSize();
     const auto params = model.parameters();
     if (!params.empty()) device_ = params.front().device();
-    check_same_structure(model);
+    check_same_model(model);
     broadcast_from_rank0(model, /*parameters=*/true);
   }
 
@@ -150,6 +150,26 @@ class DataParallel {
   at::Device device() const noexcept { return device_; }
   int world_size() const noexcept { return state_->world; }
   const DistributedOptions& options() const noexcept { return options_; }
+
+  /// An Error on every rank unless every rank's model has the same tensors: names, shapes,
+  /// dtypes and requires_grad, parameter by parameter and buffer by buffer. Collective (one
+  /// all_gather); the constructor runs it, and the Trainer whenever it rebinds the gradients
+  /// (a parameter frozen or unfrozen).
+  void check_same_model(const torch::nn::Module& model) {
+    const auto mine = static_cast<std::int64_t>(detail::module_fingerprint(model));
+    const auto n = static_cast<std::int64_t>(model.named_parameters().size() +
+                                             model.named_buffers().size());
+    const auto all = all_gather(at::tensor({mine, n}, at::kLong).to(device()));
+    std::vector<int> differ;
+    for (int r = 0; r < world_size(); ++r) {
+      if (!all[static_cast<std::size_t>(r)].cpu().equal(all.front().cpu())) differ.push_back(r);
+    }
+    MIXPREC_CHECK(differ.empty(), "rank ", rank(), ": the models of ranks ",
+                  at::IntArrayRef(std::vector<std::int64_t>(differ.begin(), differ.end())),
+                  " differ from rank 0's in their parameters or buffers (names, shapes, dtypes "
+                  "or requires_grad): build the same model, and freeze the same parameters, on "
+                  "every rank");
+  }
 
   /// Reduces the gradients of `params` (leaf tensors, each once): after finish(),
   /// `holders[i].grad()` is the average over ranks of params[i]'s gradient (plus what
@@ -473,21 +493,6 @@ class DataParallel {
       if (!t.cpu().equal(all.front().cpu())) return false;
     }
     return true;
-  }
-
-  void check_same_structure(const torch::nn::Module& model) {
-    const auto mine = static_cast<std::int64_t>(detail::module_fingerprint(model));
-    const auto n = static_cast<std::int64_t>(model.named_parameters().size() +
-                                             model.named_buffers().size());
-    const auto all = all_gather(at::tensor({mine, n}, at::kLong).to(device()));
-    std::vector<int> differ;
-    for (int r = 0; r < world_size(); ++r) {
-      if (!all[static_cast<std::size_t>(r)].cpu().equal(all.front().cpu())) differ.push_back(r);
-    }
-    MIXPREC_CHECK(differ.empty(), "rank ", rank(), ": the models of ranks ",
-                  at::IntArrayRef(std::vector<std::int64_t>(differ.begin(), differ.end())),
-                  " differ from rank 0's in their parameters or buffers (names, shapes, dtypes "
-                  "or requires_grad): build the same model on every rank");
   }
 
   static std::vector<at::Tensor> unique(const std::vector<at::Tensor>& tensors) {

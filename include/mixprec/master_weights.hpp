@@ -29,6 +29,11 @@ inline std::vector<at::Tensor> unique_tensors(const std::vector<at::Tensor>& ten
   return result;
 }
 
+/// Sets each tensor's gradient to none (PyTorch's zero_grad(set_to_none=True)).
+inline void clear_grads(const std::vector<at::Tensor>& tensors) {
+  for (const auto& t : tensors) t.mutable_grad().reset();
+}
+
 /// The tensors of every param group, in order.
 inline std::vector<at::Tensor> optimizer_tensors(const torch::optim::Optimizer& optimizer) {
   std::vector<at::Tensor> result;
@@ -167,8 +172,9 @@ class MasterWeights {
   /// feeds it: UnscaleOptions::grads_from.
   const std::vector<at::Tensor>& grad_sources() const noexcept { return sources_; }
 
-  /// Adds the model's gradients into the masters' fp32 gradients and zeroes the model's, so
-  /// that gradients accumulated over micro-batches sum in fp32, not in the model's dtype.
+  /// Adds the model's gradients into the masters' fp32 gradients and sets the model's to none,
+  /// so that gradients accumulated over micro-batches sum in fp32, not in the model's dtype (a
+  /// master whose tensor no micro-batch reached keeps no gradient).
   void accumulate_grads() {
     for (const auto& pair : pairs_) {  // all checked before any is changed
       MIXPREC_CHECK(!pair.model.grad().defined() || !pair.model.grad().is_sparse(),
@@ -180,7 +186,7 @@ class MasterWeights {
       auto& master_grad = pair.master.mutable_grad();
       if (!master_grad.defined()) master_grad = at::zeros_like(pair.master);
       master_grad.add_(pair.model.grad());
-      pair.model.mutable_grad().zero_();
+      pair.model.mutable_grad().reset();
     }
   }
 

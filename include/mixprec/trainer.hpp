@@ -32,6 +32,7 @@
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
 #include <ATen/CPUGeneratorImpl.h>
+#include <c10/util/Type.h>
 #include <torch/arg.h>
 #include <torch/cuda.h>
 #include <torch/nn/module.h>
@@ -55,6 +56,7 @@
 #include <sstream>
 #include <string>
 #include <type_traits>
+#include <typeinfo>
 #include <unordered_set>
 #include <utility>
 #include <vector>
@@ -136,9 +138,46 @@ struct TrainerOptions {
   /// unset, they go to LibTorch's warning handler (TORCH_WARN: stderr unless the program set
   /// c10::WarningUtils' handler). mixprec never writes to stdout.
   TORCH_ARG(std::function<void(const std::string&)>, on_warning) = nullptr;
+  /// After this many optimizer steps in a row skipped for inf/NaN, step() throws an Error
+  /// naming where the last one was (its StepReport::overflow), after reporting that step.
+  /// A run whose loss scale only halves (a NaN in the data, a diverged model) is not training.
+  /// 64 halvings take the default initial scale 2^16 to 2^-48, far below where any gradient
+  /// survives; a healthy run skips a few steps in a row at most (log2(init_scale / the scale it
+  /// needs) at the start, one at a time later). 0: no limit.
+  TORCH_ARG(std::int64_t, max_consecutive_skips) = 64;
 };
 
 namespace detail {
+
+/// The optimizer's C++ type, as checkpoints record it: "torch::optim::AdamW".
+inline std::string optimizer_type(const torch::optim::Optimizer& optimizer) {
+  return c10::demangle(typeid(optimizer).name());
+}
+
+/// Adam's or AdamW's amsgrad option; nullopt for the other optimizers.
+inline std::optional<bool> amsgrad_of(const torch::optim::OptimizerOptions& options) {
+  if (const auto* adam = dynamic_cast<const torch::optim::AdamOptions*>(&options)) {
+    return adam->amsgrad();
+  }
+  if (const auto* adamw = dynamic_cast<const torch::optim::AdamWOptions*>(&options)) {
+    return adamw->amsgrad();
+  }
+  return std::nullopt;
+}
+
+/// The CPU random stream of a rank that a checkpoint did not have (a run resumed on more ranks
+/// than it was saved with): a generator seeded with splitmix64(d ^ rank), where d is the first
+/// 64-bit draw of rank 0's saved stream. Distinct for every rank, the same on every resume.
+inline at::Tensor derived_rng_state(const at::Tensor& rank0_state, int rank) {
+  auto rank0 = at::make_generator<at::CPUGeneratorImpl>();
+  rank0.set_state(rank0_state);
+  std::uint64_t z = rank0.get<at::CPUGeneratorImpl>()->random64() ^ static_cast<std::uint64_t>(rank);
+  z += 0x9e3779b97f4a7c15ULL;  // splitmix64's finaliser
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+  z ^= z >> 31;
+  return at::make_generator<at::CPUGeneratorImpl>(z).get_state();
+}
 
 /// Scalers that can fold their unscale into the optimizer's step (the built-in ones).
 template <class S>
@@ -303,6 +342,9 @@ class Trainer {
     MIXPREC_CHECK(options_.accumulation_steps() >= 1,
                   "TrainerOptions::accumulation_steps must be >= 1, got ",
                   options_.accumulation_steps());
+    MIXPREC_CHECK(options_.max_consecutive_skips() >= 0,
+                  "TrainerOptions::max_consecutive_skips must be >= 0 (0: no limit), got ",
+                  options_.max_consecutive_skips());
     MIXPREC_CHECK(options_.gradient_stats().every() >= 0 &&
                       options_.gradient_stats().group_depth() >= 0,
                   "GradientStatsOptions: every and group_depth must be >= 0 (every 0: off; "
@@ -376,12 +418,15 @@ class Trainer {
   /// unscales, clips, steps (or skips on inf/NaN) and updates the scale.
   template <class LossFn>
   StepReport step(LossFn&& loss_fn) {
+    check_not_busy("step");
+    const Busy busy(busy_, "step()'s loss_fn");
+    ++calls_;  // first: a call that throws counts too (see agree_across_ranks)
     // Comparing the groups' sizes is cheap; a group added since is adopted before the forward
     // pass, which must already see its tensors cast.
     if (!detail::same_group_sizes(*optimizer_, group_sizes_)) adopt_param_groups();
-    if (data_parallel_ && data_parallel_->options().broadcast_buffers()) {
-      data_parallel_->broadcast_from_rank0(*model_);
-    }
+    // Data parallel, as DDP: rank 0's buffers before the first forward of each step.
+    if (pending_ == 0) sync_buffers();
+    buffers_synced_ = false;  // this forward may update them (BatchNorm's running statistics)
     at::Tensor loss;
     std::optional<NonFiniteOp> non_finite_op;
     {
@@ -439,7 +484,7 @@ class Trainer {
     if (masters_ && n == 1 && !data_parallel_) {
       unscale.grads_from(masters_->grad_sources());  // else in place
     }
-    if (data_parallel_) unscale.agree([this](at::Tensor& found) { data_parallel_->agree(found); });
+    if (data_parallel_) unscale.agree([this](at::Tensor& found) { agree_across_ranks(found); });
     // A NaN loss can have finite gradients. On the CPU the check is a read of one float; on a
     // device it joins the gradients' inf check, without a synchronisation.
     if (!loss_sum_.device().is_cpu() || !std::isfinite(loss_sum_.item<double>())) {
@@ -475,6 +520,7 @@ class Trainer {
       at::autocast::clear_cache();
     }
     ++stats_.steps;
+    consecutive_skips_ = stepped ? 0 : consecutive_skips_ + 1;
     if (!stepped) {
       ++stats_.skipped_steps;
       report.overflow = find_overflow(losses);
@@ -482,13 +528,28 @@ class Trainer {
     report.status = stepped ? StepStatus::stepped : StepStatus::skipped;
     report.step = stats_.steps;
     notify(report);
+    const auto limit = options_.max_consecutive_skips();
+    if (limit > 0 && consecutive_skips_ >= limit) {
+      std::ostringstream where;
+      where << *report.overflow;
+      detail::fail("the last ", consecutive_skips_, " optimizer steps (to step ", stats_.steps,
+                   ") were all skipped, the last for ", where.str(), "; the loss scale is down "
+                   "to ", scaler_.get_scale(), ": the run is not training. Find the inf/NaN "
+                   "(TrainerOptions::find_non_finite_op names the first op that made one), or "
+                   "allow more with TrainerOptions::max_consecutive_skips (0: no limit)");
+    }
     return report;
   }
 
   /// Runs `forward` with every module in eval mode, without grad, in the policy's precision;
-  /// then restores each module's own mode.
+  /// then restores each module's own mode. Data parallel: the first evaluate() after a step
+  /// copies rank 0's buffers to every rank first (as DDP does before an evaluation forward), so
+  /// that every rank evaluates with the same BatchNorm statistics; call it on every rank.
   template <class Forward>
   auto evaluate(Forward&& forward) {
+    check_not_busy("evaluate");
+    const Busy busy(busy_, "evaluate()'s forward");
+    sync_buffers();
     at::NoGradGuard no_grad;
     detail::TrainingModeGuard mode(*model_, /*training=*/false);
     auto guard = autocast<P>(device_type_);
@@ -529,6 +590,7 @@ class Trainer {
   /// Data parallel: every rank calls it; rank 0 writes (with every rank's CPU RNG state) and
   /// the others return once it has, with its Error if it failed.
   void save(const std::string& path) const {
+    check_not_busy("save");
     MIXPREC_CHECK(pending_ == 0, "save() in the middle of an accumulation (", pending_, " of ",
                   options_.accumulation_steps(), " micro-batches): save after a step");
     if (!data_parallel_) return write(path, {}, {});
@@ -566,6 +628,7 @@ class Trainer {
   /// next step() would adopt it. Data parallel: every rank loads the file (rank 0's path on a
   /// shared file system); if any rank cannot, every rank throws and none changes.
   void load(const std::string& path) {
+    check_not_busy("load");
     // A param group added since the last step is adopted first, as step() would: the checkpoint
     // of a run that had adopted it holds its masters and state, which must not be dropped.
     if (!detail::same_group_sizes(*optimizer_, group_sizes_)) adopt_param_groups();
@@ -610,6 +673,8 @@ class Trainer {
     try {
       torch::serialize::OutputArchive archive;
       archive.write("mixprec.policy", c10::IValue(std::string(P::name)));
+      archive.write("mixprec.optimizer", c10::IValue(detail::optimizer_type(*optimizer_)));
+      archive.write("mixprec.fused_optimizer", c10::IValue(options_.fused_optimizer()));
       archive.write("mixprec.counters", at::tensor({stats_.steps, stats_.skipped_steps,
                                                     stats_.micro_batches}, at::kLong));
       for (const auto& item : model_->named_parameters()) {
@@ -732,16 +797,58 @@ class Trainer {
     return overflow;
   }
 
-  void zero_grads() {
-    // What Module::zero_grad does, without rebuilding the named parameter list every step.
-    for (auto& p : params_) {
-      auto& grad = p.mutable_grad();
-      if (grad.defined()) {
-        grad = grad.detach();
-        grad.zero_();
-      }
+  // What is running the user's code (step()'s loss_fn, evaluate()'s forward), if anything: a
+  // Trainer call from inside it would step, save or load in the middle of a step.
+  struct Busy {
+    Busy(const char*& slot, const char* what) : slot_(slot) { slot_ = what; }
+    ~Busy() { slot_ = nullptr; }
+    Busy(const Busy&) = delete;
+    Busy& operator=(const Busy&) = delete;
+    const char*& slot_;
+  };
+  void check_not_busy(const char* call) const {
+    MIXPREC_CHECK(busy_ == nullptr, "Trainer::", call, "() called from inside ", busy_,
+                  ", which must only compute (run the model, return the loss or output): call ",
+                  call, "() after it returns; nothing was changed");
+  }
+
+  // Data parallel: the ranks' step-or-skip agreement, which also compares how many times each
+  // rank has called step(), in the same allreduce (MAX over [found_inf, calls, -calls]). A rank
+  // that went on after its step() threw is one call ahead: its gradients were averaged with
+  // the others' previous step, and every rank gets this Error before anything steps.
+  void agree_across_ranks(at::Tensor& found_inf) {
+    const auto calls = static_cast<double>(calls_ % (std::int64_t{1} << 24));  // exact in fp32
+    auto flags = at::cat({found_inf.reshape({1}).to(at::kFloat),
+                          at::tensor({calls, -calls}, at::kFloat).to(found_inf.device())});
+    data_parallel_->agree(flags);
+    found_inf.copy_(flags.narrow(0, 0, 1).reshape(found_inf.sizes()));
+    const auto seen = flags.narrow(0, 1, 2).cpu();
+    const double most = seen[0].item<double>(), least = -seen[1].item<double>();
+    MIXPREC_CHECK(most == calls && least == calls, "rank ", data_parallel_->rank(), ": the "
+                  "ranks are at different steps (this rank's step() call ", calls_, "; the "
+                  "ranks' calls, modulo 2^24, range from ", least, " to ", most, "): a rank went "
+                  "on after its step() threw, so its gradients were averaged with another "
+                  "step's. Every rank must make the same Trainer calls; restart all ranks from "
+                  "the last checkpoint");
+  }
+
+  // Rank 0's buffers on every rank, unless they are already (nothing ran a forward since).
+  void sync_buffers() {
+    if (buffers_synced_ || !data_parallel_ || !data_parallel_->options().broadcast_buffers()) {
+      return;
     }
-    if (masters_) optimizer_->zero_grad();
+    data_parallel_->broadcast_from_rank0(*model_);
+    buffers_synced_ = true;
+  }
+
+  // PyTorch's zero_grad(set_to_none=True), its default: a tensor the next step does not reach
+  // keeps no gradient, and the optimizer skips it (Adam's moments and weight decay do not move
+  // it). The model's tensors and, under MixedO2, the masters the optimizer holds.
+  void zero_grads() {
+    detail::clear_grads(params_);
+    if (masters_) {
+      for (const auto& group : optimizer_->param_groups()) detail::clear_grads(group.params());
+    }
   }
 
   // A param group added after construction (progressive unfreezing): checked as the
@@ -794,7 +901,10 @@ class Trainer {
   }
 
   // Every trainable model tensor's gradient is averaged into its master's (MixedO2) or its own.
+  // First the ranks compare their models tensor by tensor: ranks that froze different tensors
+  // of the same shapes would otherwise average one tensor's gradient with another's.
   void bind_data_parallel() {
+    data_parallel_->check_same_model(*model_);
     std::vector<at::Tensor> params, holders;
     trainable_.clear();
     for (const auto& p : params_) {
@@ -846,6 +956,17 @@ class Trainer {
     MIXPREC_CHECK(policy_name.toStringRef() == P::name, "checkpoint '", path, "' was written "
                   "by Trainer<", policy_name.toStringRef(), ">, this is Trainer<", P::name,
                   ">: load it with the same policy");
+    // Adam's and AdamW's options and state have the same fields: only the recorded type tells
+    // them apart (a checkpoint from before it was recorded loads as it did).
+    c10::IValue optimizer_name;
+    if (archive.try_read("mixprec.optimizer", optimizer_name)) {
+      MIXPREC_CHECK(optimizer_name.isString() &&
+                        optimizer_name.toStringRef() == detail::optimizer_type(*optimizer_),
+                    "checkpoint '", path, "' was written with a ",
+                    optimizer_name.isString() ? optimizer_name.toStringRef() : std::string("?"),
+                    " optimizer, this Trainer steps a ", detail::optimizer_type(*optimizer_),
+                    ": load it into the same optimizer type");
+    }
     at::Tensor counters;
     MIXPREC_CHECK(archive.try_read("mixprec.counters", counters) && counters.numel() == 3 &&
                       counters.scalar_type() == at::kLong,
@@ -875,7 +996,16 @@ class Trainer {
     MIXPREC_CHECK(archive.try_read("rng.cpu", rng), "'", path, "' lacks the RNG state");
     if (data_parallel_ && data_parallel_->rank() > 0) {  // this rank's own, where saved
       at::Tensor own;
-      if (archive.try_read("rng.cpu.rank" + std::to_string(data_parallel_->rank()), own)) rng = own;
+      const auto rank = data_parallel_->rank();
+      if (archive.try_read("rng.cpu.rank" + std::to_string(rank), own)) {
+        rng = own;
+      } else {  // resumed on more ranks than saved: a stream of its own, not rank 0's
+        try {
+          rng = detail::derived_rng_state(rng, rank);
+        } catch (const c10::Error&) {
+          detail::fail("'", path, "' holds an invalid RNG state");
+        }
+      }
     }
     try {  // a state of the wrong size would fail only after everything else was loaded
       at::make_generator<at::CPUGeneratorImpl>().set_state(rng);
@@ -938,6 +1068,14 @@ class Trainer {
         detail::fail("checkpoint '", path, "' holds options of another optimizer type for param "
                      "group ", g, ": ", detail::message_of(e));
       }
+      // AMSGrad keeps a state tensor more and steps by another rule: not an option a checkpoint
+      // may switch silently.
+      const auto saved_amsgrad = detail::amsgrad_of(*group_options.back());
+      const auto own_amsgrad = detail::amsgrad_of(groups[g].options());
+      MIXPREC_CHECK(saved_amsgrad == own_amsgrad, "checkpoint '", path, "' was written with "
+                    "amsgrad(", saved_amsgrad.value_or(false) ? "true" : "false", ") in param group ",
+                    g, ", this optimizer has amsgrad(", own_amsgrad.value_or(false) ? "true" : "false",
+                    "): build it with the same options");
     }
     auto scaler = detail::make_scaler<P>(options_);  // validates the state before any change
     scaler.load_state_dict(scaler_state.toGenericDict());
@@ -984,6 +1122,9 @@ class Trainer {
     // (a NaN among them would skip the next step) and gradients.
     pending_ = 0;
     loss_sum_ = at::Tensor();
+    consecutive_skips_ = 0;
+    buffers_synced_ = false;
+    calls_ = stats_.micro_batches;  // the same on every rank that loaded this checkpoint
     zero_grads();
   }
 
@@ -998,6 +1139,10 @@ class Trainer {
   c10::DeviceType device_type_ = c10::DeviceType::CPU;
   TrainerStats stats_;
   std::unique_ptr<DataParallel> data_parallel_;  // with TrainerOptions::distributed
+  const char* busy_ = nullptr;  // Busy: the user code running inside step() or evaluate()
+  std::int64_t calls_ = 0;  // step() calls, each rank's own; reset by load()
+  std::int64_t consecutive_skips_ = 0;  // optimizer steps skipped since the last one taken
+  bool buffers_synced_ = false;  // rank 0's buffers are on every rank, no forward ran since
   std::vector<const void*> trainable_;           // the tensors data_parallel_ reduces
   std::int64_t pending_ = 0;  // micro-batches accumulated since the last optimizer step
   at::Tensor loss_sum_;       // their losses: inf/NaN in any of them skips the step
