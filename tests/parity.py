@@ -45,7 +45,7 @@ def branch(mode, data, output_path):
     with open(output_path, "w") as out:
         for step in range(steps):
             xb, yb = x[step * batch:(step + 1) * batch], y[step * batch:(step + 1) * batch]
-            optimizer.zero_grad()  # set_to_none=True
+            optimizer.zero_grad(set_to_none=True)  # the default from torch 2.0 on, not in 1.13
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=mode == "branch_bf16"):
                 loss = torch.nn.functional.cross_entropy(model(xb, step % 2 == 0), yb)
             loss.float().backward()

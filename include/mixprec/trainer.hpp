@@ -171,7 +171,8 @@ inline std::optional<bool> amsgrad_of(const torch::optim::OptimizerOptions& opti
 inline at::Tensor derived_rng_state(const at::Tensor& rank0_state, int rank) {
   auto rank0 = at::make_generator<at::CPUGeneratorImpl>();
   rank0.set_state(rank0_state);
-  std::uint64_t z = rank0.get<at::CPUGeneratorImpl>()->random64() ^ static_cast<std::uint64_t>(rank);
+  std::uint64_t z =
+      rank0.get<at::CPUGeneratorImpl>()->random64() ^ static_cast<std::uint64_t>(rank);
   z += 0x9e3779b97f4a7c15ULL;  // splitmix64's finaliser
   z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
   z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
