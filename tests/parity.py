@@ -4,14 +4,21 @@
 
 MODE is fp32 (plain), bf16 (torch.autocast on the CPU) or fp16 (torch.autocast + the CPU
 GradScaler); branch_fp32 and branch_bf16 train the two-headed model of `branch()` instead, whose
-head b is used on even steps only, with AdamW (a parameter without a gradient is skipped). INPUT is a torch::pickle_save dict from the C++ side: the initial weights
+head b is used on even steps only, with AdamW (a parameter without a gradient is skipped);
+ddp_fp32 and ddp_bf16 train with DistributedDataParallel on Gloo ranks (`ddp()`), and OUTPUT is
+then a prefix: OUTPUT.rankR.txt for each rank R. INPUT is a torch::pickle_save dict from the C++ side: the initial weights
 (param.NAME), the data (x, y) and the hyperparameters (steps, batch, lr, momentum, and for fp16
 init_scale, growth_interval). OUTPUT gets one line per step: "loss scale skipped", the loss as
 repr() of the fp32 value, the scale the step used, and 1 when the step was skipped.
 """
+import contextlib
+import os
 import sys
+import tempfile
 
 import torch
+import torch.distributed as dist
+import torch.multiprocessing
 
 
 def build_model():
@@ -54,11 +61,61 @@ def branch(mode, data, output_path):
             out.write(" ".join(repr(v) for v in values.tolist()) + "\n")
 
 
+def write_line(out, tensors):
+    values = torch.cat([t.detach().double().reshape(-1) for t in tensors])
+    out.write(" ".join(repr(v) for v in values.tolist()) + "\n")
+
+
+def ddp_rank(rank, mode, data, prefix, store):
+    """One rank of ddp(): DDP with its defaults (buffers broadcast from rank 0 before the first
+    forward of each iteration, and before an evaluation forward after training), no_sync on all
+    micro-batches but the last, SGD; one line per step (parameters then buffers) and one per
+    evaluation output."""
+    torch.set_num_threads(1)
+    world = int(data["world"])
+    dist.init_process_group("gloo", init_method="file://" + store, rank=rank, world_size=world)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 4))
+    state = {k[len("param."):]: v for k, v in data.items() if k.startswith("param.")}
+    state.update({k[len("buffer."):]: v for k, v in data.items() if k.startswith("buffer.")})
+    model.load_state_dict(state)
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=float(data["lr"]),
+                                momentum=float(data["momentum"]), foreach=False)
+    micro = int(data["micro_batches"])
+    autocast = lambda: torch.autocast("cpu", dtype=torch.bfloat16, enabled=mode == "ddp_bf16")
+    with open(f"{prefix}.rank{rank}.txt", "w") as out:
+        for step in range(int(data["steps"])):
+            optimizer.zero_grad(set_to_none=True)
+            for j in range(micro):
+                x = data[f"x.{rank}.{step}.{j}"]
+                sync = contextlib.nullcontext() if j == micro - 1 else ddp.no_sync()
+                with sync:
+                    with autocast():
+                        loss = ddp(x).float().pow(2).mean()
+                    (loss / micro).backward()
+            optimizer.step()
+            write_line(out, list(model.parameters()) + list(model.buffers()))
+        ddp.eval()
+        with torch.no_grad():
+            for _ in range(2):
+                with autocast():
+                    write_line(out, [ddp(data["x.eval"])])
+    dist.destroy_process_group()
+
+
+def ddp(mode, data, prefix):
+    with tempfile.TemporaryDirectory() as tmp:
+        torch.multiprocessing.spawn(ddp_rank, args=(mode, data, prefix, os.path.join(tmp, "store")),
+                                    nprocs=int(data["world"]), join=True)
+
+
 def main(mode, input_path, output_path):
     torch.set_num_threads(1)
     data = torch.load(input_path, weights_only=False)
     if mode.startswith("branch"):
         return branch(mode, data, output_path)
+    if mode.startswith("ddp"):
+        return ddp(mode, data, output_path)
     model = build_model()
     model.load_state_dict({k[len("param."):]: v for k, v in data.items() if k.startswith("param.")})
     x, y = data["x"], data["y"]

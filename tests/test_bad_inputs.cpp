@@ -302,6 +302,22 @@ TEST_CASE("catalogue: bad Trainer constructions are Errors that leave model and 
          torch::optim::Adam second(net->parameters(), torch::optim::AdamOptions(1e-2));
          O2(net, second);
        }},
+      {"torch::optim::LBFGS (its step needs a closure)", "LBFGS is not supported",
+       [](auto& net, auto&) {
+         torch::optim::LBFGS lbfgs(net->parameters(), torch::optim::LBFGSOptions(0.1));
+         mp::Trainer<mp::FullPrecision>(net, lbfgs);
+       }},
+      {"an Adagrad that has stepped, under MixedO2", "it has stepped",
+       [](auto& net, auto&) {
+         torch::optim::Adagrad adagrad(net->fc2->parameters(), torch::optim::AdagradOptions(0.1));
+         const auto params = test::snapshot(net->fc2->parameters());
+         net->fc2->forward(torch::ones({2, 8})).sum().backward();
+         adagrad.step();
+         torch::NoGradGuard no_grad;  // back to the values the row compares against
+         for (std::size_t i = 0; i < params.size(); ++i) net->fc2->parameters()[i].copy_(params[i]);
+         for (auto& p : net->fc2->parameters()) p.mutable_grad().reset();
+         O2(net, adagrad);
+       }},
       {"fused_optimizer(true) under PureHalf", "fused",
        [](auto& net, auto& adam) {
          mp::Trainer<mp::PureHalf<at::BFloat16>>(net, adam,

@@ -131,6 +131,31 @@ TEST_SUITE("cuda") {
     CHECK(finals[0].allclose(finals[1], 1e-4, 1e-5));
   }
 
+  TEST_CASE("a CPU+CUDA model under MixedO1 computes in bf16 on both devices") {
+    struct Split : torch::nn::Module {
+      Split() {
+        front = register_module("front", torch::nn::Linear(8, 8));
+        back = register_module("back", torch::nn::Linear(8, 4));
+        back->to(torch::kCUDA);
+      }
+      torch::nn::Linear front{nullptr}, back{nullptr};
+    };
+    auto net = std::make_shared<Split>();
+    torch::optim::SGD sgd(net->parameters(), torch::optim::SGDOptions(0.1));
+    mp::Trainer<mp::MixedO1<at::BFloat16>> trainer(net, sgd);
+    const auto x = torch::randn({4, 8});
+    at::ScalarType front_dtype = at::kFloat, back_dtype = at::kFloat;
+    REQUIRE(trainer.step([&] {
+      const auto h = net->front->forward(x);
+      const auto y = net->back->forward(h.to(torch::kCUDA));
+      front_dtype = h.scalar_type();
+      back_dtype = y.scalar_type();
+      return y.to(at::kFloat).square().mean();
+    }).stepped());
+    CHECK(front_dtype == at::kBFloat16);
+    CHECK(back_dtype == at::kBFloat16);  // before: fp32, autocast engaged on the CPU only
+  }
+
 #ifdef USE_C10D_NCCL
   // One GPU, one rank: NCCL allows one rank per device, so this checks the device path of the
   // data-parallel Trainer (buckets, agreement, gathers on CUDA tensors), not the averaging.

@@ -762,6 +762,72 @@ void case_evaluate(Rank& r) {
   }
 }
 
+// ---- Against PyTorch's DistributedDataParallel (tests/parity.py ddp_*): the same model,
+// weights and per-rank data, trained with accumulation by Trainer<P> here and by DDP (no_sync
+// on the first micro-batch) in Python, 2 Gloo ranks each; then two evaluation forwards. Each
+// side writes one line per step (parameters then buffers, flattened) and one per evaluation
+// output, per rank.
+constexpr int kDdpSteps = 3;
+constexpr int kDdpMicroBatches = 2;
+
+torch::nn::Sequential ddp_reference_model() {
+  torch::manual_seed(1);
+  return torch::nn::Sequential(torch::nn::Linear(8, 8), torch::nn::BatchNorm1d(8),
+                               torch::nn::Linear(8, 4));
+}
+
+// Each rank its own data, so that the ranks' BatchNorm statistics differ.
+torch::Tensor ddp_reference_batch(int rank, int step, int micro) {
+  auto gen = at::detail::createCPUGenerator(static_cast<std::uint64_t>(1000 + 100 * rank + 10 * step + micro));
+  return torch::randn({4, 8}, gen) * 2 + 0.5;
+}
+
+torch::Tensor ddp_reference_eval_batch() {
+  auto gen = at::detail::createCPUGenerator(999);
+  return torch::randn({4, 8}, gen);
+}
+
+void write_line(std::ostream& out, const std::vector<torch::Tensor>& tensors) {
+  out.precision(17);
+  bool first = true;
+  for (const auto& t : tensors) {
+    const auto flat = t.detach().to(torch::kDouble).reshape({-1}).contiguous();
+    const auto* v = flat.data_ptr<double>();
+    for (std::int64_t i = 0; i < flat.numel(); ++i) {
+      out << (first ? "" : " ") << v[i];
+      first = false;
+    }
+  }
+  out << "\n";
+}
+
+template <class P>
+void case_ddp_reference(Rank& r) {
+  torch::set_num_threads(1);  // as the Python side: one reduction order
+  auto net = ddp_reference_model();
+  torch::optim::SGD sgd(net->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  mp::Trainer<P> trainer(net, sgd,
+                         mp::TrainerOptions().accumulation_steps(kDdpMicroBatches).distributed(
+                             mp::DistributedOptions(r.group)));
+  std::ofstream out(r.dir + "/cpp.rank" + std::to_string(r.rank) + ".txt");
+  auto state = [&] {
+    auto tensors = net->parameters();
+    for (const auto& b : net->buffers()) tensors.push_back(b);
+    return tensors;
+  };
+  for (int k = 0; k < kDdpSteps; ++k) {
+    for (int j = 0; j < kDdpMicroBatches; ++j) {
+      const auto x = ddp_reference_batch(r.rank, k, j);
+      trainer.step([&] { return net->forward(trainer.cast_input(x)).to(torch::kFloat).pow(2).mean(); });
+    }
+    write_line(out, state());
+  }
+  const auto x = ddp_reference_eval_batch();
+  for (int e = 0; e < 2; ++e) {
+    write_line(out, {trainer.evaluate([&] { return net->forward(trainer.cast_input(x)); })});
+  }
+}
+
 int run_rank(const std::string& name, int rank, int world, const std::string& dir) {
   Rank r{rank, world, dir, {}};
   auto store = c10::make_intrusive<c10d::FileStore>(dir + "/store", world);
@@ -783,6 +849,8 @@ int run_rank(const std::string& name, int rank, int world, const std::string& di
       {"kill_resume", case_kill_resume},
       {"buffers", case_buffers},
       {"evaluate", case_evaluate},
+      {"ddp_reference_fp32", case_ddp_reference<mp::FullPrecision>},
+      {"ddp_reference_bf16", case_ddp_reference<mp::MixedO1<at::BFloat16>>},
   };
   try {
     r.group = mp::gloo_group(store, rank, world, std::chrono::seconds(30));
@@ -1003,6 +1071,90 @@ TEST_CASE("distributed: BatchNorm buffers follow rank 0's, parameters agree bitw
 
 TEST_CASE("distributed: buffers as DDP's: rank 0's at each step's first micro-batch and before evaluate()") {
   require_all_passed(run_ranks("evaluate", 2));
+}
+
+namespace {
+
+std::vector<std::vector<double>> read_lines(const std::filesystem::path& path) {
+  std::vector<std::vector<double>> lines;
+  std::ifstream in(path);
+  for (std::string line; std::getline(in, line);) {
+    std::istringstream values(line);
+    lines.emplace_back();
+    for (double v = 0; values >> v;) lines.back().push_back(v);
+  }
+  return lines;
+}
+
+// Trains with Trainer<P> on 2 ranks and with DDP in Python (tests/parity.py `mode`), and
+// compares every step's parameters and buffers and both evaluation outputs on every rank.
+void check_ddp_reference(const std::string& mode, const std::string& rank_case, double tolerance) {
+  const int world = 2;
+  const auto dir = fresh_dir(rank_case);
+  std::filesystem::create_directories(dir);
+  {
+    c10::impl::GenericDict dict(c10::StringType::get(), c10::AnyType::get());
+    const auto model = ddp_reference_model();
+    for (const auto& item : model->named_parameters()) dict.insert("param." + item.key(), item.value().detach().clone());
+    for (const auto& item : model->named_buffers()) dict.insert("buffer." + item.key(), item.value().detach().clone());
+    for (int rank = 0; rank < world; ++rank) {
+      for (int k = 0; k < kDdpSteps; ++k) {
+        for (int j = 0; j < kDdpMicroBatches; ++j) {
+          dict.insert("x." + std::to_string(rank) + "." + std::to_string(k) + "." + std::to_string(j),
+                      ddp_reference_batch(rank, k, j));
+        }
+      }
+    }
+    dict.insert("x.eval", ddp_reference_eval_batch());
+    dict.insert("world", static_cast<std::int64_t>(world));
+    dict.insert("steps", static_cast<std::int64_t>(kDdpSteps));
+    dict.insert("micro_batches", static_cast<std::int64_t>(kDdpMicroBatches));
+    dict.insert("lr", 0.1);
+    dict.insert("momentum", 0.9);
+    const auto bytes = torch::pickle_save(c10::IValue(dict));
+    std::ofstream((dir / "input.pt").string(), std::ios::binary)
+        .write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+  }
+  const auto command = std::string(MIXPREC_SYSTEM_PYTHON) + " " + MIXPREC_PARITY_SCRIPT + " " + mode +
+                       " " + (dir / "input.pt").string() + " " + (dir / "python").string();
+  REQUIRE(std::system(command.c_str()) == 0);
+  require_all_passed(run_ranks(rank_case, world, std::chrono::seconds(240), dir));
+  std::vector<std::vector<double>> evaluations;
+  double largest_step = 0, largest_eval = 0;
+  for (int rank = 0; rank < world; ++rank) {
+    CAPTURE(rank);
+    const auto ours = read_lines(dir / ("cpp.rank" + std::to_string(rank) + ".txt"));
+    const auto theirs = read_lines(dir / ("python.rank" + std::to_string(rank) + ".txt"));
+    REQUIRE(ours.size() == static_cast<std::size_t>(kDdpSteps + 2));
+    REQUIRE(theirs.size() == ours.size());
+    for (std::size_t line = 0; line < ours.size(); ++line) {
+      CAPTURE(line);
+      REQUIRE(ours[line].size() == theirs[line].size());
+      double diff = 0;
+      for (std::size_t i = 0; i < ours[line].size(); ++i) {
+        diff = std::max(diff, std::abs(ours[line][i] - theirs[line][i]));
+      }
+      auto& largest = line < static_cast<std::size_t>(kDdpSteps) ? largest_step : largest_eval;
+      largest = std::max(largest, diff);
+      CHECK(diff <= tolerance);
+    }
+    evaluations.push_back(ours.back());
+  }
+  // As under DDP, every rank evaluates with rank 0's statistics: the same outputs.
+  CHECK(evaluations[0] == evaluations[1]);
+  MESSAGE(mode, ": Trainer vs DDP over ", kDdpSteps, " steps of ", kDdpMicroBatches,
+          " micro-batches on ", world, " ranks: largest difference in parameters and buffers ",
+          largest_step, ", in the evaluate() outputs ", largest_eval);
+}
+
+}  // namespace
+
+TEST_CASE("distributed: against PyTorch's DDP, accumulation, BatchNorm and evaluate() on every rank (FullPrecision)") {
+  check_ddp_reference("ddp_fp32", "ddp_reference_fp32", 1e-6);
+}
+
+TEST_CASE("distributed: ... and MixedO1<BFloat16> against DDP under torch.autocast(bfloat16)") {
+  check_ddp_reference("ddp_bf16", "ddp_reference_bf16", 1e-6);
 }
 
 TEST_CASE("distributed: a rank killed mid-run makes the others throw mixprec::Error, not hang") {

@@ -532,7 +532,7 @@ TEST_CASE("sequence_cross_entropy_with_logits matches LibTorch's cross_entropy")
           check_close(loss(ops::Average::token), expected_token);
           check_close(loss(ops::Average::none), per_sequence);
           const auto l = loss(ops::Average::batch);
-          CHECK(l.scalar_type() == dtype);
+          CHECK(l.scalar_type() == (dtype == at::kDouble ? at::kDouble : at::kFloat));  // losses: fp32
           CHECK(l.dim() == 0);
           l.backward();
           CHECK(all_finite(logits.grad()));
@@ -627,7 +627,8 @@ TEST_CASE_TEMPLATE("the output dtype and values follow the policy; no NaN or inf
     check_close(ln, at::layer_norm(x64, {6}));
     const auto ce = ops::sequence_cross_entropy_with_logits<P>(
         x.view({32, 2, 6}), at::zeros({32, 2}, at::kLong), at::ones({32, 2}, at::kBool));
-    CHECK(ce.scalar_type() == output);
+    // The loss is fp32 for 16-bit logits under every policy, as autocast computes losses.
+    CHECK(ce.scalar_type() == (dtype == at::kDouble ? at::kDouble : at::kFloat));
     check_close(ce, -at::log_softmax(x64, -1).select(-1, 0).mean());
   }
 }
@@ -725,6 +726,49 @@ TEST_CASE("saturation instead of inf when the output dtype is narrower than fp32
   CHECK(ops::masked_log_softmax<mp::MixedO1<at::Half>>(x, keep)[0][1].item<double>() == -120000.0);
   CHECK(ops::logsumexp(at::full({1, 64}, 65504.0).to(at::kHalf), at::ones({1, 64}, at::kBool), 1)
             .item<double>() == 65504.0);
+}
+
+TEST_CASE_TEMPLATE("a saturated fp16 result passes the fp64 reference's gradient straight through",
+                   P, mp::FullPrecision, mp::MixedO2<at::Half>, mp::PureHalf<at::Half>) {
+  // Logits [60000, -60000, 0], target 1: the loss is 120000 (beyond fp16), its gradient
+  // [1, -1, 0]. A clamp's own gradient would be [0, 0, 0]: training would stop learning from it.
+  const auto values = at::tensor({60000.0, -60000.0, 0.0});
+  const auto x64 = values.to(at::kDouble).view({1, 3}).requires_grad_();
+  (-at::log_softmax(x64, -1)[0][1]).backward();
+  const auto reference = x64.grad();
+  auto report = [&](const std::string& what, const at::Tensor& grad) {
+    const auto g = grad.to(at::kDouble).reshape({-1});
+    const double diff = (g - reference.reshape({-1})).abs().max().template item<double>();
+    MESSAGE(std::string(P::name), " ", what, ": gradient [", g[0].template item<double>(), ", ",
+            g[1].template item<double>(), ", ", g[2].template item<double>(),
+            "], fp64 reference [1, -1, 0], largest difference ", diff);
+    CHECK(diff <= 1e-3);  // fp16's rounding of 1
+  };
+  SUBCASE("sequence_cross_entropy_with_logits: an fp32 loss, the exact value") {
+    const auto x = values.to(at::kHalf).view({1, 3}).requires_grad_();
+    const auto loss = ops::sequence_cross_entropy_with_logits<P>(
+        x, at::ones({1}, at::kLong), at::ones({1}, at::kBool));
+    CHECK(loss.scalar_type() == at::kFloat);
+    CHECK(loss.template item<double>() == 120000.0);
+    loss.backward();
+    report("cross entropy", x.grad());
+  }
+  SUBCASE("masked_log_softmax: saturated in fp16, the gradient straight through") {
+    const auto x = values.to(at::kHalf).view({1, 3}).requires_grad_();
+    const auto log_probs = ops::masked_log_softmax<P>(x, at::ones({1, 3}, at::kBool));
+    CHECK(log_probs[0][1].template item<double>() == -65504.0);
+    (-log_probs[0][1].to(at::kFloat)).backward();
+    report("masked_log_softmax", x.grad());
+  }
+  SUBCASE("logsumexp: saturated at 65504, the gradient is softmax's") {
+    const auto x = at::full({1, 3}, 65504.0).to(at::kHalf).requires_grad_();
+    const auto lse = ops::logsumexp<P>(x, 1);
+    CHECK(lse.template item<double>() == 65504.0);
+    lse.to(at::kFloat).sum().backward();
+    const double diff = (x.grad().to(at::kDouble) - 1.0 / 3.0).abs().max().template item<double>();
+    MESSAGE(std::string(P::name), " logsumexp: largest difference to the reference's 1/3 ", diff);
+    CHECK(diff <= 1e-3);
+  }
 }
 
 TEST_CASE("bad input is a mixprec::Error that says what is wrong and how to fix it") {

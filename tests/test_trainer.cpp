@@ -13,6 +13,8 @@
 #include <functional>
 #include <limits>
 #include <map>
+#include <memory>
+#include <optional>
 #include <string>
 
 namespace mp = mixprec;
@@ -783,4 +785,204 @@ TEST_CASE_TEMPLATE("a Trainer call from inside loss_fn or evaluate's forward: an
   }
   // And the Trainer works normally afterwards.
   CHECK(trainer.step(loss_of(trainer, net, x, y)).stepped());
+}
+
+namespace {
+
+void clear_grads(const std::vector<at::Tensor>& tensors) {
+  for (const auto& t : tensors) t.mutable_grad().reset();
+}
+
+// Every torch::optim optimizer the Trainer drives, with options that exercise its state.
+enum class Algorithm { sgd, adam, adamw, adagrad, rmsprop };
+
+std::unique_ptr<torch::optim::Optimizer> make_optimizer(Algorithm algorithm,
+                                                        const std::vector<at::Tensor>& params) {
+  namespace optim = torch::optim;
+  switch (algorithm) {
+    case Algorithm::sgd:
+      return std::make_unique<optim::SGD>(params, optim::SGDOptions(0.05).momentum(0.9).weight_decay(1e-3));
+    case Algorithm::adam:
+      return std::make_unique<optim::Adam>(params, optim::AdamOptions(1e-2).weight_decay(1e-3));
+    case Algorithm::adamw:
+      return std::make_unique<optim::AdamW>(params, optim::AdamWOptions(1e-2).weight_decay(0.1));
+    case Algorithm::adagrad:
+      return std::make_unique<optim::Adagrad>(
+          params, optim::AdagradOptions(0.05).initial_accumulator_value(0.1).lr_decay(1e-3));
+    case Algorithm::rmsprop:
+      return std::make_unique<optim::RMSprop>(params, optim::RMSpropOptions(1e-2).momentum(0.5));
+  }
+  return nullptr;
+}
+
+// Trainer<P> against the loop a user writes for P by hand with the same optimizer: the model cast
+// to P's low dtype (O2, O3), fp32 masters that the optimizer updates and the model copies (O2),
+// autocast around the forward (O1). Bitwise after 6 steps.
+template <class P>
+void trains_as_the_hand_loop(Algorithm algorithm) {
+  const Task task;
+  auto make = [] {
+    torch::manual_seed(4);
+    return torch::nn::Sequential(torch::nn::Linear(16, 8), torch::nn::ReLU(), torch::nn::Linear(8, 4));
+  };
+  auto hand = make();
+  auto net = make();
+  std::vector<at::Tensor> masters;
+  if constexpr (P::master_weights) {
+    for (const auto& p : hand->parameters()) masters.push_back(p.detach().clone().requires_grad_());
+  }
+  if constexpr (P::cast_model) hand->to(P::low_dtype);  // no norm layers: all of it
+  const auto hand_params = hand->parameters();
+  auto by_hand = make_optimizer(algorithm, P::master_weights ? masters : hand_params);
+  auto by_trainer = make_optimizer(algorithm, net->parameters());
+  mp::Trainer<P> trainer(net, *by_trainer);
+  for (std::int64_t b = 0; b < 6 * 32; b += 32) {
+    const auto x = task.x.slice(0, b, b + 32), y = task.y.slice(0, b, b + 32);
+    clear_grads(hand_params);
+    clear_grads(masters);
+    at::Tensor loss;
+    {
+      std::optional<mp::AutocastGuard> guard;
+      if constexpr (P::autocast) guard.emplace(c10::DeviceType::CPU, P::low_dtype);
+      loss = torch::nn::functional::cross_entropy(
+          hand->forward(P::cast_model ? x.to(P::low_dtype) : x), y);
+    }
+    loss.to(at::kFloat).backward();
+    if constexpr (P::master_weights) {
+      for (std::size_t i = 0; i < masters.size(); ++i) {
+        masters[i].mutable_grad() = hand_params[i].grad().to(at::kFloat);
+      }
+    }
+    by_hand->step();
+    if constexpr (P::master_weights) {
+      torch::NoGradGuard no_grad;
+      for (std::size_t i = 0; i < masters.size(); ++i) hand_params[i].copy_(masters[i]);
+    }
+    REQUIRE(trainer.step([&] {
+      return torch::nn::functional::cross_entropy(net->forward(trainer.cast_input(x)), y);
+    }).stepped());
+  }
+  MESSAGE(P::name, ": largest difference to the hand loop ",
+          test::max_abs_diff(hand->parameters(), net->parameters()));
+  CHECK(test::identical(hand->parameters(), net->parameters()));
+  if constexpr (P::master_weights) CHECK(test::identical(masters, trainer.master_weights()));
+}
+
+}  // namespace
+
+TEST_CASE_TEMPLATE("every torch::optim optimizer trains under every policy as in the hand-written loop",
+                   P, mp::FullPrecision, mp::MixedO1<at::BFloat16>, mp::MixedO2<at::BFloat16>,
+                   mp::PureHalf<at::BFloat16>) {
+  SUBCASE("SGD with momentum") { trains_as_the_hand_loop<P>(Algorithm::sgd); }
+  SUBCASE("Adam") { trains_as_the_hand_loop<P>(Algorithm::adam); }
+  SUBCASE("AdamW") { trains_as_the_hand_loop<P>(Algorithm::adamw); }
+  SUBCASE("Adagrad (its state made by its constructor)") { trains_as_the_hand_loop<P>(Algorithm::adagrad); }
+  SUBCASE("RMSprop") { trains_as_the_hand_loop<P>(Algorithm::rmsprop); }
+}
+
+TEST_CASE("Adagrad: a param group added later gets its state, as its constructor would make it") {
+  const Task task;
+  torch::manual_seed(5);
+  auto net = std::make_shared<Net>();
+  torch::optim::Adagrad adagrad(net->fc1->parameters(),
+                                torch::optim::AdagradOptions(0.05).initial_accumulator_value(0.25));
+  mp::Trainer<mp::MixedO2<at::BFloat16>> trainer(net, adagrad);
+  const auto x = task.x.slice(0, 0, 32), y = task.y.slice(0, 0, 32);
+  REQUIRE(trainer.step(loss_of(trainer, net, x, y)).stepped());
+  auto late = net->fc2->parameters();
+  adagrad.add_param_group(torch::optim::OptimizerParamGroup(
+      late, std::make_unique<torch::optim::AdagradOptions>(
+                torch::optim::AdagradOptions(0.05).initial_accumulator_value(0.5))));
+  const auto before = test::snapshot(net->fc2->parameters());
+  REQUIRE(trainer.step(loss_of(trainer, net, x, y)).stepped());  // LibTorch alone would fail here
+  CHECK_FALSE(test::identical(test::snapshot(net->fc2->parameters()), before));
+  const auto& group = adagrad.param_groups().back();
+  for (const auto& p : group.params()) {
+    CHECK(p.scalar_type() == at::kFloat);  // the master, not the bf16 model tensor
+    const auto& state = static_cast<const torch::optim::AdagradParamState&>(
+        *adagrad.state().at(mp::detail::state_key<decltype(adagrad.state())>(p)));
+    CHECK(state.step() == 1);
+    CHECK(state.sum().scalar_type() == at::kFloat);
+    CHECK(state.sum().min().item<double>() >= 0.5);  // the group's initial_accumulator_value
+  }
+}
+
+TEST_CASE("a sparse Embedding with Adagrad under MixedO2: the Error says sparse, not 'has stepped'") {
+  torch::nn::Sequential net(torch::nn::Embedding(torch::nn::EmbeddingOptions(10, 4).sparse(true)),
+                            torch::nn::Linear(4, 2));
+  torch::optim::Adagrad adagrad(net->parameters(), torch::optim::AdagradOptions(0.1));
+  const auto params = test::snapshot(net->parameters());
+  CHECK_THROWS_WITH_AS(mp::Trainer<mp::MixedO2<at::BFloat16>>(net, adagrad),
+                       doctest::Contains("sparse"), mp::Error);
+  CHECK(test::identical(test::snapshot(net->parameters()), params));
+  // FullPrecision trains it: Adagrad takes sparse gradients.
+  mp::Trainer<mp::FullPrecision> trainer(net, adagrad);
+  const auto ids = torch::tensor({1, 2, 3}, torch::kLong);
+  REQUIRE(trainer.step([&] { return net->forward(ids).pow(2).mean(); }).stepped());
+  CHECK_FALSE(test::identical(test::snapshot(net->parameters()), params));
+}
+
+TEST_CASE("a model with parameters on a device autocast does not know: an Error naming it, nothing changed") {
+  struct Split : torch::nn::Module {
+    Split() {
+      front = register_module("front", torch::nn::Linear(4, 4));
+      back = register_parameter("back", torch::zeros({4, 2}, torch::Device(torch::kMeta)));
+    }
+    torch::nn::Linear front{nullptr};
+    at::Tensor back;
+  };
+  auto net = std::make_shared<Split>();
+  torch::optim::SGD sgd(net->parameters(), torch::optim::SGDOptions(0.1));
+  const auto cpu_part = test::snapshot(net->front->parameters());
+  CHECK_THROWS_WITH_AS(mp::Trainer<mp::MixedO2<at::BFloat16>>(net, sgd),
+                       doctest::Contains("parameter 'back' is on meta"), mp::Error);
+  CHECK(test::identical(test::snapshot(net->front->parameters()), cpu_part));  // not cast
+  const auto held = sgd.param_groups()[0].params();  // not rebound to masters
+  const auto own = net->parameters();
+  REQUIRE(held.size() == own.size());
+  for (std::size_t i = 0; i < held.size(); ++i) CHECK(held[i].is_same(own[i]));
+  CHECK_THROWS_WITH_AS(mp::autocast_device_types(net->parameters()),
+                       doctest::Contains("on the meta device"), mp::Error);
+}
+
+TEST_CASE("a CPU+CUDA model gets its policy's autocast on both device types") {
+  // The Trainer engages autocast on every device type of the model's parameters, not on the
+  // first parameter's only (tests/test_cuda.cpp trains such a model on a GPU).
+  torch::nn::Linear cpu_only(4, 4);
+  CHECK(mp::autocast_device_types(cpu_only->parameters()) ==
+        std::vector<c10::DeviceType>{c10::DeviceType::CPU});
+  const std::vector<c10::DeviceType> both{c10::DeviceType::CPU, c10::DeviceType::CUDA};
+  auto enabled = [](c10::DeviceType type) {
+    return mp::detail::get_autocast_state(type).enabled;
+  };
+  {
+    const mp::PolicyAutocast<mp::MixedO1<at::BFloat16>> on(both);
+    CHECK(enabled(c10::DeviceType::CPU));
+    CHECK(enabled(c10::DeviceType::CUDA));
+    CHECK(mp::detail::get_autocast_state(c10::DeviceType::CUDA).dtype == at::kBFloat16);
+    {
+      const mp::PolicyAutocast<mp::MixedO2<at::BFloat16>> off(both);  // an outer scope cannot lower O2
+      CHECK_FALSE(enabled(c10::DeviceType::CPU));
+      CHECK_FALSE(enabled(c10::DeviceType::CUDA));
+    }
+    CHECK(enabled(c10::DeviceType::CPU));
+    CHECK(enabled(c10::DeviceType::CUDA));
+  }
+  CHECK_FALSE(enabled(c10::DeviceType::CPU));
+  CHECK_FALSE(enabled(c10::DeviceType::CUDA));
+}
+
+TEST_CASE_TEMPLATE("cast_input: floating batches to compute_dtype<P> under O2/O3, unchanged under O0/O1",
+                   P, mp::FullPrecision, mp::MixedO1<at::BFloat16>, mp::MixedO2<at::BFloat16>,
+                   mp::PureHalf<at::BFloat16>) {
+  torch::manual_seed(0);
+  auto net = std::make_shared<Net>();
+  torch::optim::SGD sgd(net->parameters(), torch::optim::SGDOptions(0.1));
+  mp::Trainer<P> trainer(net, sgd);
+  for (const auto dtype : {at::kFloat, at::kDouble, at::kBFloat16}) {
+    CAPTURE(std::string(c10::toString(dtype)));
+    const auto x = torch::ones({2, 16}, dtype);
+    CHECK(trainer.cast_input(x).scalar_type() == (P::cast_model ? mp::compute_dtype<P> : dtype));
+  }
+  CHECK(trainer.cast_input(torch::ones({2}, torch::kLong)).scalar_type() == torch::kLong);
 }

@@ -15,6 +15,9 @@
 #include <c10/core/ScalarType.h>
 #include <torch/version.h>
 
+#include <optional>
+#include <vector>
+
 namespace mixprec {
 namespace detail {
 
@@ -111,5 +114,43 @@ template <class P>
   static_assert(require_policy<P>);
   return AutocastGuard(device, P::low_dtype, P::autocast);
 }
+
+/// The device types of `tensors`, each once, in first-seen order; an Error for any that autocast
+/// does not support (the Trainer engages its policy's autocast on each).
+template <class Tensors>
+std::vector<c10::DeviceType> autocast_device_types(const Tensors& tensors) {
+  std::vector<c10::DeviceType> types;
+  for (const auto& t : tensors) {
+    const auto type = t.device().type();
+    bool seen = false;
+    for (const auto known : types) seen = seen || known == type;
+    if (seen) continue;
+    MIXPREC_CHECK(type == c10::DeviceType::CPU || type == c10::DeviceType::CUDA,
+                  "a parameter of shape ", t.sizes(), " is on the ", c10::DeviceTypeName(type, /*lower_case=*/true),
+                  " device; mixed precision (autocast) supports CPU and CUDA tensors: move the "
+                  "model with ->to(torch::kCPU) or ->to(torch::kCUDA)");
+    types.push_back(type);
+  }
+  return types;
+}
+
+/// autocast<P>() on each of several device types at once (CPU and CUDA), for a model whose
+/// parameters are on both: a CPU+CUDA model under MixedO1 computes in P's low dtype on both.
+template <class P>
+class PolicyAutocast {
+  static_assert(require_policy<P>);
+
+ public:
+  explicit PolicyAutocast(const std::vector<c10::DeviceType>& types) {
+    for (const auto type : types) {
+      auto& guard = type == c10::DeviceType::CPU ? cpu_ : cuda_;
+      if (!guard) guard.emplace(type, P::low_dtype, P::autocast);
+    }
+  }
+
+ private:
+  std::optional<AutocastGuard> cpu_;
+  std::optional<AutocastGuard> cuda_;
+};
 
 }  // namespace mixprec

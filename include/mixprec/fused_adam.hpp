@@ -27,7 +27,6 @@
 #include <map>
 #include <memory>
 #include <optional>
-#include <sstream>
 #include <string>
 #include <tuple>
 #include <type_traits>
@@ -51,20 +50,6 @@ inline std::optional<AdamKind> adam_kind(const torch::optim::Optimizer& optimize
   if (typeid(optimizer) == typeid(torch::optim::Adam)) return AdamKind::adam;
   if (typeid(optimizer) == typeid(torch::optim::AdamW)) return AdamKind::adamw;
   return std::nullopt;
-}
-
-// The optimizer's state key of a tensor: its TensorImpl address, printed as a string in LibTorch
-// 1.x (as c10::guts::to_string printed it), the address itself in 2.x.
-template <class Map>
-auto state_key(const at::Tensor& p) {
-  using Key = typename std::decay_t<Map>::key_type;
-  if constexpr (std::is_same_v<Key, std::string>) {
-    std::ostringstream key;
-    key << p.unsafeGetTensorImpl();
-    return key.str();
-  } else {
-    return static_cast<Key>(p.unsafeGetTensorImpl());
-  }
 }
 
 /// The hyperparameters of one param group, from Adam's or AdamW's options.

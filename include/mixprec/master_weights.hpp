@@ -3,13 +3,17 @@
 /// instead of the model (Apex O2). Small updates that would vanish when added to a bf16/fp16
 /// weight accumulate in the fp32 master, and the model gets the rounded result after each step.
 
+#include <mixprec/detail/torch_version.hpp>
 #include <mixprec/error.hpp>
 
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
+#include <torch/optim/adagrad.h>
+#include <torch/optim/lbfgs.h>
 #include <torch/optim/optimizer.h>
 
 #include <cstddef>
+#include <memory>
 #include <unordered_map>
 #include <unordered_set>
 #include <vector>
@@ -69,6 +73,75 @@ inline void dedupe_param_groups(torch::optim::Optimizer& optimizer) {
   }
 }
 
+/// Whether the optimizer has taken a step. Most torch::optim optimizers create their state at
+/// their first step; Adagrad creates it in its constructor (step 0, `sum` filled with
+/// initial_accumulator_value), which is not a step.
+inline bool has_stepped(const torch::optim::Optimizer& optimizer) {
+  if (dynamic_cast<const torch::optim::Adagrad*>(&optimizer) == nullptr) {
+    return !optimizer.state().empty();
+  }
+  for (const auto& entry : optimizer.state()) {
+    const auto* state = dynamic_cast<const torch::optim::AdagradParamState*>(entry.second.get());
+    if (state == nullptr || state->step() > 0) return true;
+  }
+  return false;
+}
+
+/// Gives an optimizer whose state exists from construction (LibTorch's Adagrad) the state its
+/// constructor would have built for the tensors it holds now, after the Trainer replaced them
+/// (fp32 masters: `replaced(t)` is the model tensor a master replaced, else undefined), cast
+/// them, or found a param group added since: an entry is kept or moved from the replaced tensor and its
+/// `sum` converted to the tensor's dtype (exact before a first step: it holds
+/// initial_accumulator_value), or made
+/// from the group's initial_accumulator_value where none exists (LibTorch's add_param_group
+/// makes none, and its step() would fail). Entries of tensors no longer held are dropped.
+/// Optimizers that create their state at their first step: nothing to do.
+template <class Replaced>
+void fit_construction_state(torch::optim::Optimizer& optimizer, Replaced&& replaced) {
+  if (dynamic_cast<const torch::optim::Adagrad*>(&optimizer) == nullptr) return;
+  auto& states = optimizer.state();
+  std::decay_t<decltype(states)> fitted;
+  for (const auto& group : optimizer.param_groups()) {
+    const auto& options = static_cast<const torch::optim::AdagradOptions&>(group.options());
+    for (const auto& p : group.params()) {
+      auto key = state_key<decltype(states)>(p);
+      if (fitted.count(key) == 1) continue;
+      auto it = states.find(key);
+      if (it == states.end()) {
+        const at::Tensor source = replaced(p);
+        if (source.defined()) it = states.find(state_key<decltype(states)>(source));
+      }
+      auto state = std::make_unique<torch::optim::AdagradParamState>();
+      state->step(0);
+      if (it != states.end()) {
+        const auto& old = static_cast<const torch::optim::AdagradParamState&>(*it->second);
+        state->step(old.step());
+        state->sum(old.sum().to(p.options(), /*non_blocking=*/false, /*copy=*/true));
+      } else {
+        state->sum(at::full_like(p.detach(), options.initial_accumulator_value(),
+                                 at::MemoryFormat::Preserve));
+      }
+      fitted.emplace(std::move(key), std::move(state));
+    }
+  }
+  states = std::move(fitted);
+}
+
+inline void fit_construction_state(torch::optim::Optimizer& optimizer) {
+  fit_construction_state(optimizer, [](const at::Tensor&) { return at::Tensor(); });
+}
+
+/// Refuses optimizers the Trainer cannot drive: LBFGS re-evaluates the loss through a closure
+/// inside its step(), several times per step.
+inline void check_supported_optimizer(const torch::optim::Optimizer& optimizer) {
+  MIXPREC_CHECK(dynamic_cast<const torch::optim::LBFGS*>(&optimizer) == nullptr,
+                "torch::optim::LBFGS is not supported by the Trainer: its step() re-evaluates "
+                "the loss through a closure several times (a line search on unscaled losses), "
+                "while Trainer::step runs loss_fn once per micro-batch. Train LBFGS in a "
+                "hand-written loop (under mixprec::autocast for mixed precision), or use SGD, "
+                "Adam, AdamW, Adagrad or RMSprop");
+}
+
 }  // namespace detail
 
 class MasterWeights {
@@ -88,7 +161,7 @@ class MasterWeights {
   /// one param group.
   static void check_rebindable(const std::vector<at::Tensor>& model_params,
                                const torch::optim::Optimizer& optimizer) {
-    MIXPREC_CHECK(optimizer.state().empty(),
+    MIXPREC_CHECK(!detail::has_stepped(optimizer),
                   "the optimizer already has state (it has stepped): build the Trainer before "
                   "the first step, so its state is created for the fp32 master weights");
     check_params_of(model_params, optimizer);
@@ -152,6 +225,16 @@ class MasterWeights {
         sources_.push_back(pairs_[pair_of_master_.at(p.unsafeGetTensorImpl())].model);
       }
     }
+    detail::fit_construction_state(optimizer, [this](const at::Tensor& t) { return model_of(t); });
+  }
+
+  /// The model tensor a master replaced; undefined for any other tensor (an fp32 parameter, its
+  /// own master, included).
+  at::Tensor model_of(const at::Tensor& master) const {
+    const auto it = pair_of_master_.find(master.unsafeGetTensorImpl());
+    if (it == pair_of_master_.end()) return at::Tensor();
+    const auto& pair = pairs_[it->second];
+    return pair.model.is_same(pair.master) ? at::Tensor() : pair.model;
   }
 
   /// The fp32 tensors the optimizer updates, one per model tensor, in the order they were

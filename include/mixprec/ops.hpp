@@ -9,7 +9,10 @@
 /// Rules every op keeps:
 /// - Half and BFloat16 input is computed in fp32. The output has the input's dtype, except under
 ///   a policy with autocast (MixedO1), where Half/BFloat16 input gives fp32, like autocast's
-///   fp32 op list.
+///   fp32 op list, and for the loss (sequence_cross_entropy_with_logits), which is fp32 for
+///   Half/BFloat16 logits under every policy.
+/// - A result beyond a narrower output dtype's finite range saturates at its bounds, and its
+///   gradient goes straight through (the clamp's would be 0: a saturated value stops learning).
 /// - A mask is bool (or numbers that are all 0/1), true = keep. A mask of lower rank gets trailing
 ///   size-1 dimensions, then must broadcast to the vector; an op working along `dim` needs the
 ///   mask to have that dimension itself; a mask that PyTorch's or AllenNLP's alignment would
@@ -116,13 +119,15 @@ at::Tensor masked_log_softmax(const at::Tensor& vector, const at::Tensor& mask, 
     result = at::log_softmax(at::where(keep, x, fill), d)
                  .masked_fill(keep.logical_not(), detail::limits_of(output)->lowest);
   }
-  // -inf appears only where x - max overflowed (or a cast to fp16 would): saturate instead.
-  return result.clamp_min(detail::limits_of(output)->lowest).to(output);
+  // -inf appears only where x - max overflowed (or a cast to fp16 would): saturate instead,
+  // the gradient straight through (a saturated log-probability still learns).
+  return detail::saturate_to(result, output);
 }
 
 /// Maximum over `dim` of the kept entries (-inf if they all are). A fully masked row (or an empty
 /// `dim`) gives the input dtype's lowest value, min_value_of_dtype(vector.scalar_type()).
-/// Integer vectors work too.
+/// Integer vectors work too. Tied maxima share the gradient evenly (as amax; AllenNLP's max gives
+/// it all to one of them).
 template <class P = FullPrecision>
 at::Tensor masked_max(const at::Tensor& vector, const at::Tensor& mask, int64_t dim,
                       bool keepdim = false) {
@@ -256,7 +261,9 @@ at::Tensor logsumexp(const at::Tensor& tensor, Dim dim, bool keepdim = false) {
 /// [batch, ...], weighted per token by `weights` (same shape as targets: a bool mask or numeric
 /// weights; weight 0 = ignored, whatever its logits and target hold). `label_smoothing` in [0, 1)
 /// moves that much probability mass uniformly over the classes, as PyTorch's cross_entropy does.
-/// Sequences (and batches) whose weights sum to 0 contribute a loss of 0.
+/// Sequences (and batches) whose weights sum to 0 contribute a loss of 0. The loss is fp32 for
+/// Half/BFloat16 logits under every policy (the input's dtype otherwise), as autocast computes
+/// its losses: an fp16 loss would saturate at 65504 and pass back no gradient.
 template <class P = FullPrecision>
 at::Tensor sequence_cross_entropy_with_logits(const at::Tensor& logits, const at::Tensor& targets,
                                               const at::Tensor& weights,
@@ -328,8 +335,10 @@ at::Tensor sequence_cross_entropy_with_logits(const at::Tensor& logits, const at
       loss = per_sequence.sum() / nonempty.sum().clamp_min(1).to(x.scalar_type());
     }
   }
-  return detail::to_output(loss, detail::output_dtype_of<P>(logits.scalar_type()),
-                           /*saturate=*/true);
+  // A loss comes out in the compute dtype (fp32 for fp16/bf16 logits) under every policy, as
+  // autocast keeps its loss ops in fp32: a narrower loss would saturate, and the value that
+  // reaches backward would not be the loss.
+  return loss;
 }
 
 /// Layer normalisation over the trailing `normalized_shape` dimensions, computed in fp32 for

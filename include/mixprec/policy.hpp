@@ -5,7 +5,7 @@
 /// |-------------------|------|--------|----------------------|--------------|--------------------------|
 /// | FullPrecision     | O0   | fp32   | fp32                 | no           | NoScaler                 |
 /// | MixedO1<Low>      | O1   | fp32   | per op (autocast)    | no           | GradScaler (Half), else none |
-/// | MixedO2<Low>      | O2   | Low    | Low, norms in fp32   | yes          | GradScaler (Half), else none |
+/// | MixedO2<Low>      | O2   | Low    | Low, BatchNorm fp32  | yes          | GradScaler (Half), else none |
 /// | PureHalf<Low>     | O3   | Low    | Low                  | no           | NoScaler                 |
 ///
 /// When to use which:
@@ -93,7 +93,8 @@ struct MixedO1 : detail::LowPrecisionPolicy<Low> {
   using scaler_type = typename detail::LowPrecision<Low>::dynamic_scaler;
 };
 
-/// O2: Low parameters and inputs, norm layers in fp32, fp32 master weights for the optimizer.
+/// O2: Low parameters and inputs, BatchNorm in fp32 (LayerNorm and GroupNorm in Low), fp32
+/// master weights for the optimizer.
 template <class Low = at::Half>
 struct MixedO2 : detail::LowPrecisionPolicy<Low> {
   static constexpr std::string_view name = detail::LowPrecision<Low>::o2;
@@ -124,7 +125,10 @@ using O2 = MixedO2<Low>;
 template <class Low = at::Half>
 using O3 = PureHalf<Low>;
 
-/// The dtype a policy computes in: what Trainer::cast_input casts batches to.
+/// The dtype of P's model outside autocast: Low for MixedO2/PureHalf, whose Trainer::cast_input
+/// casts floating batches to it; Float for FullPrecision/MixedO1, whose cast_input passes batches
+/// unchanged (a model in fp32 takes fp32 input; under MixedO1 autocast picks each op's dtype, as
+/// in Python, where torch.autocast casts no input either).
 template <class P>
 inline constexpr c10::ScalarType compute_dtype = P::cast_model ? P::low_dtype : c10::ScalarType::Float;
 

@@ -254,9 +254,11 @@ inline std::atomic<bool>& slow_convolutions_warned() {
 // fp16 weight gradient with oneDNN's reference loop (capabilities.hpp).
 template <class P>
 void warn_slow_fp16_convolutions(const torch::nn::Module& model, const TrainerOptions& options,
-                                 c10::DeviceType device) {
+                                 const std::vector<c10::DeviceType>& devices) {
   if constexpr (P::low_dtype == c10::ScalarType::Half) {
-    if (device != c10::DeviceType::CPU) return;
+    bool on_cpu = false;
+    for (const auto device : devices) on_cpu = on_cpu || device == c10::DeviceType::CPU;
+    if (!on_cpu) return;
     const auto& cpu = cpu_capabilities();
     if (!cpu.fp16_conv_weight_grad_slow) return;
     const auto convolutions = nn::detail::fp16_weight_grad_convolutions(model);
@@ -339,6 +341,7 @@ class Trainer {
         scaler_(detail::make_scaler<P>(options_)) {
     MIXPREC_CHECK(model_ != nullptr, "Trainer got a null model");
     detail::check_half_math<P>(*model_);
+    detail::check_supported_optimizer(optimizer);
     detail::check_optimizer_constants<P>(optimizer);
     MIXPREC_CHECK(options_.accumulation_steps() >= 1,
                   "TrainerOptions::accumulation_steps must be >= 1, got ",
@@ -367,6 +370,11 @@ class Trainer {
       MIXPREC_CHECK(!at::isFloatingType(dtype) || dtype == at::kFloat, "parameter '", item.key(),
                     "' is ", dtype, ", but Trainer<", P::name, "> expects an fp32 model and "
                     "casts it itself: build the model in fp32 (drop the ->to(", dtype, "))");
+      const auto device = item.value().device();
+      MIXPREC_CHECK(device.is_cpu() || device.is_cuda(), "parameter '", item.key(), "' is on ",
+                    device, ", but Trainer<", P::name, "> trains CPU and CUDA tensors (autocast "
+                    "and the loss scaler know no other device): move the model with "
+                    "->to(torch::kCPU) or ->to(torch::kCUDA)");
     }
     if (options_.fused_optimizer()) {
       MIXPREC_CHECK(detail::FusedStepScaler<scaler_type>, "TrainerOptions::fused_optimizer needs "
@@ -384,7 +392,7 @@ class Trainer {
     } else {
       MasterWeights::check_params_of(params, optimizer);
     }
-    device_type_ = params.front().device().type();
+    device_types_ = autocast_device_types(params);
     // All checks passed: from here on the model and optimizer change.
     claim_ = std::move(claim);
     params_ = params;
@@ -402,9 +410,11 @@ class Trainer {
       if constexpr (P::master_weights) masters_.emplace(params, fp32_values, optimizer);
     }
     detail::dedupe_param_groups(optimizer);  // the optimizer steps each tensor once
+    // Adagrad's state, made by its constructor, fits the cast tensors (the masters' in bind).
+    if constexpr (!P::master_weights) detail::fit_construction_state(optimizer);
     group_sizes_ = detail::group_sizes(optimizer);
     if (data_parallel_) bind_data_parallel();
-    detail::warn_slow_fp16_convolutions<P>(*model_, options_, device_type_);
+    detail::warn_slow_fp16_convolutions<P>(*model_, options_, device_types_);
   }
 
   /// For a ModuleHolder such as torch::nn::Sequential.
@@ -433,7 +443,7 @@ class Trainer {
     {
       std::optional<NonFiniteOpFinder> finder;
       if (options_.find_non_finite_op()) finder.emplace();
-      auto guard = autocast<P>(device_type_);
+      const PolicyAutocast<P> guard(device_types_);
       loss = std::invoke(std::forward<LossFn>(loss_fn));
       if (finder) non_finite_op = finder->first();
     }
@@ -553,7 +563,7 @@ class Trainer {
     sync_buffers();
     at::NoGradGuard no_grad;
     detail::TrainingModeGuard mode(*model_, /*training=*/false);
-    auto guard = autocast<P>(device_type_);
+    const PolicyAutocast<P> guard(device_types_);
     return std::invoke(std::forward<Forward>(forward));
   }
 
@@ -876,8 +886,10 @@ class Trainer {
     }
     if (masters_) detail::check_dense_gradients(*model_, fresh, P::name);
     auto claim = detail::ModelClaim::acquire(params, P::name, claim_.get());
+    auto device_types = autocast_device_types(params);
     // All checks passed.
     claim_ = std::move(claim);
+    device_types_ = std::move(device_types);
     std::vector<at::Tensor> fp32_values;
     if (masters_) {
       for (const auto& p : fresh) fp32_values.push_back(p.detach().to(at::kFloat).clone());
@@ -885,6 +897,7 @@ class Trainer {
     if constexpr (P::cast_model) detail::cast_model(*model_, P::low_dtype, P::keep_norm_fp32, &fresh);
     if (masters_) masters_->bind(fresh, fp32_values, *optimizer_);
     detail::dedupe_param_groups(*optimizer_);
+    if (!masters_) detail::fit_construction_state(*optimizer_);  // Adagrad: the new group's state
     params_ = params;
     group_sizes_ = detail::group_sizes(*optimizer_);
     if (data_parallel_) bind_data_parallel();  // the new masters hold the averages
@@ -1137,7 +1150,7 @@ class Trainer {
   TrainerOptions options_;
   scaler_type scaler_;
   std::optional<MasterWeights> masters_;
-  c10::DeviceType device_type_ = c10::DeviceType::CPU;
+  std::vector<c10::DeviceType> device_types_;  // of the parameters: autocast engages on each
   TrainerStats stats_;
   std::unique_ptr<DataParallel> data_parallel_;  // with TrainerOptions::distributed
   const char* busy_ = nullptr;  // Busy: the user code running inside step() or evaluate()

@@ -6,6 +6,7 @@
 #include <c10/core/ScalarType.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
+#include <torch/csrc/autograd/custom_function.h>
 
 #include <algorithm>
 #include <cmath>
@@ -97,15 +98,39 @@ inline at::Tensor to_compute(const at::Tensor& tensor) {
   return tensor.to(compute_dtype_of(tensor.scalar_type()));
 }
 
-/// Casts a result to the output dtype. `saturate` clamps to the output's finite range first,
-/// where the values may exceed it: a narrowing cast would otherwise turn them into inf silently.
+/// A cast that clamps to the output dtype's finite range, and whose gradient goes straight
+/// through the clamp: a value beyond the range still tells its inputs which way to move (the
+/// clamp's own gradient, 0 outside the range, would silently stop a saturated loss from
+/// learning). Only the gradient's dtype changes on the way back.
+struct SaturatingCast : torch::autograd::Function<SaturatingCast> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& result,
+                            c10::ScalarType output) {
+    ctx->saved_data["dtype"] = static_cast<int64_t>(result.scalar_type());
+    const auto limits = *limits_of(output);
+    return result.clamp(limits.lowest, limits.max).to(output);
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto dtype = static_cast<c10::ScalarType>(ctx->saved_data["dtype"].toInt());
+    return {grads[0].defined() ? grads[0].to(dtype) : grads[0], at::Tensor()};
+  }
+};
+
+/// `result` in the floating dtype `output`, values beyond its finite range (inf included) held
+/// at its bounds, the gradient straight through.
+inline at::Tensor saturate_to(const at::Tensor& result, c10::ScalarType output) {
+  return SaturatingCast::apply(result, output);
+}
+
+/// Casts a result to the output dtype. `saturate` clamps to a narrower output's finite range
+/// first (straight-through gradient), where the values may exceed it: a narrowing cast would
+/// otherwise turn them into inf silently.
 inline at::Tensor to_output(const at::Tensor& result, c10::ScalarType output, bool saturate) {
   if (result.scalar_type() == output) {
     return result;
   }
   if (saturate && is_reduced_float(output)) {
-    const auto limits = *limits_of(output);
-    return result.clamp(limits.lowest, limits.max).to(output);
+    return saturate_to(result, output);
   }
   return result.to(output);
 }
