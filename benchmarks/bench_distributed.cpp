@@ -143,7 +143,7 @@ int run_rank(int rank, const std::string& dir, const bench::Options& options) {
   // The 16-bit reduction: half the bytes, rounded twice.
   {
     const int w = options.smoke ? 32 : 1024;
-    const auto low = TORCH_VERSION_MAJOR >= 2 ? at::kBFloat16 : at::kHalf;  // 1.13's Gloo: no bf16
+    const auto low = mixprec::gloo_reduces_bf16 ? at::kBFloat16 : at::kHalf;  // 1.13's Gloo: no bf16
     using P = mp::MixedO2<at::BFloat16>;
     Setup<P> fp32(4, w, batch, mp::DistributedOptions(group));
     Setup<P> half(4, w, batch, mp::DistributedOptions(group).reduce_dtype(low));

@@ -12,7 +12,7 @@
 
 #include <harness.hpp>
 
-#include <mixprec/detail/torch_version.hpp>
+#include <mixprec/compat.hpp>
 #include <mixprec/scaler.hpp>
 
 #include <ATen/ATen.h>

@@ -388,7 +388,7 @@ int run_soak(const Args& args) {
   results.push_back(soak<mp::MixedO2<at::BFloat16>>(sized));
   results.push_back(soak<mp::PureHalf<at::BFloat16>>(sized));
   results.push_back(soak<ScaledO2>(sized));
-  if constexpr (mp::detail::cpu_half_math) {
+  if constexpr (mp::cpu_half_math) {
     results.push_back(soak<mp::MixedO1<at::Half>>(sized));
     results.push_back(soak<mp::MixedO2<at::Half>>(sized));
     results.push_back(soak<mp::PureHalf<at::Half>>(sized));

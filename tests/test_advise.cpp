@@ -149,7 +149,7 @@ TEST_CASE("advise: a model that fits fp16, the loss-scale range it reports, noth
   CHECK(gmax * advice.init_scale_max * 8 <= 65504);  // headroom 8
   CHECK(gmax * advice.init_scale_max * 16 > 65504);
 
-  if constexpr (mp::detail::cpu_half_math) {
+  if constexpr (mp::cpu_half_math) {
     // What the range says, in fp16: the same step at init_scale_max goes through; at 16 times
     // that, past the headroom of 8, the largest gradient itself overflows and the step is
     // skipped.

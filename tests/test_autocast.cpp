@@ -98,7 +98,7 @@ TEST_CASE("the outermost guard clears the cast cache; inner ones keep it") {
 }
 
 TEST_CASE("MixedO1<Half> on the CPU: fp16 matmuls under LibTorch 2.x, a clear Error under 1.13") {
-  if constexpr (mp::detail::cpu_half_math) {
+  if constexpr (mp::cpu_half_math) {
     {
       auto guard = mp::autocast<mp::MixedO1<at::Half>>(torch::kCPU);
       CHECK(cpu_dtype() == at::kHalf);

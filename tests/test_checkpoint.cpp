@@ -10,6 +10,7 @@
 
 #include <doctest/doctest.h>
 
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -832,4 +833,137 @@ TEST_CASE("a checkpoint of one optimizer type (or amsgrad setting) loads into no
       CHECK(other_optimizer->state().size() == state_before);
     }
   }
+}
+
+TEST_CASE("the user's own values go into the same checkpoint, and load() gives them back") {
+  Rig<mp::MixedO2<at::BFloat16>> rig(3);
+  rig.step(Batch(1));
+  const auto path = temp_path("user_values.ckpt");
+  const auto position = torch::tensor({7, 11}, at::kLong);
+  rig.trainer.save(path, {{"epoch", c10::IValue(int64_t{3})},
+                          {"data.position", c10::IValue(position)},
+                          {"run", c10::IValue(std::string("ablation-b"))},
+                          {"best_loss", c10::IValue(0.25)}});
+  Rig<mp::MixedO2<at::BFloat16>> resumed(4);
+  const auto user = resumed.trainer.load(path);
+  REQUIRE(user.size() == 4U);
+  CHECK(user.at("epoch").toInt() == 3);
+  CHECK(test::identical(user.at("data.position").toTensor(), position));
+  CHECK(user.at("run").toStringRef() == "ablation-b");
+  CHECK(user.at("best_loss").toDouble() == 0.25);
+  CHECK(test::identical(resumed.trainer.master_weights(), rig.trainer.master_weights()));
+  // A checkpoint without user values gives none.
+  rig.trainer.save(path);
+  CHECK(resumed.trainer.load(path).empty());
+  // A value that is none is refused before anything is written.
+  std::filesystem::remove(path);
+  CHECK_THROWS_WITH_AS(rig.trainer.save(path, {{"nothing", c10::IValue()}}),
+                       doctest::Contains("user value 'nothing' needs"), mp::Error);
+  CHECK_FALSE(std::filesystem::exists(path));
+}
+
+TEST_CASE_TEMPLATE("torch::save(trainer, path) and torch::load(trainer, path) compose as LibTorch's optimizers do",
+                   P, mp::FullPrecision, mp::MixedO2<at::BFloat16>, ScaledO2) {
+  Rig<P> rig(5);
+  for (std::uint64_t b = 0; b < 3; ++b) rig.step(Batch(b));
+  const auto path = temp_path("torch_save.pt");
+  torch::save(rig.trainer, path);
+  Rig<P> other(6);
+  torch::load(other.trainer, path);
+  CHECK(test::identical(test::snapshot(other.net->parameters()), test::snapshot(rig.net->parameters())));
+  CHECK(test::identical(test::snapshot(other.net->buffers()), test::snapshot(rig.net->buffers())));
+  CHECK(test::identical(other.trainer.master_weights(), rig.trainer.master_weights()));
+  auto moments = [](torch::optim::Adam& adam) {  // in parameter order
+    std::vector<at::Tensor> result;
+    for (const auto& p : adam.param_groups()[0].params()) {
+      const auto& state = static_cast<const torch::optim::AdamParamState&>(
+          *adam.state().at(mp::detail::state_key<decltype(adam.state())>(p)));
+      result.push_back(state.exp_avg());
+      result.push_back(state.exp_avg_sq());
+      result.push_back(torch::tensor(state.step()));
+    }
+    return result;
+  };
+  CHECK(test::identical(moments(other.adam), moments(rig.adam)));
+  CHECK(other.trainer.stats().steps == rig.trainer.stats().steps);
+  // Both go on alike, bit for bit.
+  rig.step(Batch(9));
+  other.step(Batch(9));
+  CHECK(test::identical(test::snapshot(other.net->parameters()), test::snapshot(rig.net->parameters())));
+  // Archives of the caller's, with user values; a foreign archive is an Error that changes nothing.
+  torch::serialize::OutputArchive out;
+  rig.trainer.save(out, {{"epoch", c10::IValue(int64_t{2})}});
+  out.save_to(path);
+  torch::serialize::InputArchive in;
+  in.load_from(path);
+  CHECK(other.trainer.load(in).at("epoch").toInt() == 2);
+  CHECK(test::identical(other.trainer.master_weights(), rig.trainer.master_weights()));
+  torch::serialize::OutputArchive foreign;
+  foreign.write("something", torch::ones({2}));
+  foreign.save_to(path);
+  torch::serialize::InputArchive foreign_in;
+  foreign_in.load_from(path);
+  const Frozen<P> before(other);
+  CHECK_THROWS_WITH_AS(other.trainer.load(foreign_in), doctest::Contains("is not a mixprec checkpoint"),
+                       mp::Error);
+  CHECK(before.unchanged());
+}
+
+TEST_CASE("fp32 export: MixedO2's masters, not their bf16 rounding, for torch::load into an fp32 model and for Python") {
+  Rig<mp::MixedO2<at::BFloat16>> rig(7);
+  for (std::uint64_t b = 0; b < 3; ++b) rig.step(Batch(b));
+  const auto state = rig.trainer.fp32_state_dict();
+  const auto masters = rig.trainer.master_weights();  // optimizer order: the model's order here
+  const auto named = rig.net->named_parameters();
+  REQUIRE(masters.size() == named.size());
+  for (std::size_t i = 0; i < named.size(); ++i) {
+    CAPTURE(named[i].key());
+    CHECK(test::identical(state[named[i].key()], masters[i]));  // fp32, the masters' own bits
+  }
+  bool differs = false;  // the export is not the model's rounding
+  for (std::size_t i = 0; i < named.size(); ++i) {
+    differs = differs || !test::identical(state[named[i].key()], named[i].value().to(at::kFloat));
+  }
+  CHECK(differs);
+  CHECK(state["norm.running_var"].scalar_type() == at::kFloat);
+  CHECK(state["norm.num_batches_tracked"].scalar_type() == at::kLong);
+
+  // LibTorch: torch::load into a model built in fp32.
+  const auto path = temp_path("weights_fp32.pt");
+  rig.trainer.save_fp32(path);
+  torch::manual_seed(99);
+  auto fp32 = std::make_shared<Net>();
+  torch::load(fp32, path);
+  for (const auto& item : fp32->named_parameters()) {
+    CAPTURE(item.key());
+    CHECK(test::identical(item.value().detach(), state[item.key()]));
+  }
+  for (const auto& item : fp32->named_buffers()) {
+    CAPTURE(item.key());
+    CHECK(test::identical(item.value(), state[item.key()]));
+  }
+
+  // Python: torch.load gives a dict for load_state_dict. The sums it prints are those of the
+  // tensors exported here (fp64 sums of fp32 values: exact to print as repr).
+  const auto pickle_path = temp_path("weights_fp32.pkl");
+  rig.trainer.save_fp32(pickle_path, mp::WeightsFormat::pickle);
+  const auto sums_path = temp_path("weights_fp32.sums");
+  const auto command = std::string(MIXPREC_SYSTEM_PYTHON) +
+                       " -c \"import sys, torch; d = dict(torch.load(sys.argv[1])); "
+                       "open(sys.argv[2], 'w').write(''.join(k + ' ' + str(v.dtype) + ' ' + "
+                       "repr(v.double().sum().item()) + chr(10) for k, v in d.items()))\" " +
+                       pickle_path + " " + sums_path;
+  REQUIRE(std::system(command.c_str()) == 0);
+  std::ifstream sums(sums_path);
+  std::size_t lines = 0;
+  for (std::string key, dtype; sums >> key >> dtype;) {
+    double sum = 0;
+    sums >> sum;
+    CAPTURE(key);
+    REQUIRE(state.contains(key));
+    CHECK(dtype == (state[key].scalar_type() == at::kLong ? "torch.int64" : "torch.float32"));
+    CHECK(sum == state[key].to(at::kDouble).sum().item<double>());
+    ++lines;
+  }
+  CHECK(lines == state.size());
 }

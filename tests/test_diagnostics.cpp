@@ -255,7 +255,7 @@ void check_first_op(double magnitude) {
 }  // namespace
 
 TEST_CASE("the first op whose output overflowed is named, with its scope and input ranges") {
-  if constexpr (mp::detail::cpu_half_math) {
+  if constexpr (mp::cpu_half_math) {
     SUBCASE("MixedO2<Half>: 300 * 300 * 8 is beyond fp16's 65504") {
       check_first_op<mp::MixedO2<at::Half>>(300);
     }

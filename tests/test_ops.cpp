@@ -8,7 +8,7 @@
 #include <functional>
 #include <limits>
 #include <mixprec/autocast.hpp>
-#include <mixprec/detail/torch_version.hpp>
+#include <mixprec/compat.hpp>
 #include <mixprec/ops.hpp>
 #include <stdexcept>
 #include <string>

@@ -16,7 +16,7 @@
 #include <mixprec/autocast.hpp>
 #include <mixprec/capabilities.hpp>
 #include <mixprec/concepts.hpp>
-#include <mixprec/detail/torch_version.hpp>
+#include <mixprec/compat.hpp>
 #include <mixprec/diagnostics.hpp>
 #include <mixprec/error.hpp>
 #include <mixprec/nn.hpp>

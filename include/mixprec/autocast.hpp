@@ -7,13 +7,12 @@
 ///   }                              // previous autocast state restored, cast cache cleared
 
 #include <mixprec/concepts.hpp>
-#include <mixprec/detail/torch_version.hpp>
+#include <mixprec/compat.hpp>
 #include <mixprec/error.hpp>
 
 #include <ATen/autocast_mode.h>
 #include <c10/core/DeviceType.h>
 #include <c10/core/ScalarType.h>
-#include <torch/version.h>
 
 #include <optional>
 #include <vector>
@@ -21,47 +20,9 @@
 namespace mixprec {
 namespace detail {
 
-#if MIXPREC_TORCH_AT_LEAST(2, 4)
-#define MIXPREC_DEVICE_TYPED_AUTOCAST 1
-#else
-#define MIXPREC_DEVICE_TYPED_AUTOCAST 0
-#endif
-
-// LibTorch 2.4 replaced the per-device functions by ones taking the device type.
-struct AutocastState {
-  bool enabled;
-  c10::ScalarType dtype;
-};
-
 inline void check_autocast_device(c10::DeviceType device) {
   MIXPREC_CHECK(device == c10::DeviceType::CPU || device == c10::DeviceType::CUDA,
                 "autocast supports the CPU and CUDA devices, not ", c10::DeviceTypeName(device));
-}
-
-inline AutocastState get_autocast_state(c10::DeviceType device) {
-#if MIXPREC_DEVICE_TYPED_AUTOCAST
-  return {at::autocast::is_autocast_enabled(device), at::autocast::get_autocast_dtype(device)};
-#else
-  if (device == c10::DeviceType::CPU) {
-    return {at::autocast::is_cpu_enabled(), at::autocast::get_autocast_cpu_dtype()};
-  }
-  return {at::autocast::is_enabled(), at::autocast::get_autocast_gpu_dtype()};
-#endif
-}
-
-inline void set_autocast_state(c10::DeviceType device, AutocastState state) {
-#if MIXPREC_DEVICE_TYPED_AUTOCAST
-  at::autocast::set_autocast_dtype(device, state.dtype);
-  at::autocast::set_autocast_enabled(device, state.enabled);
-#else
-  if (device == c10::DeviceType::CPU) {
-    at::autocast::set_autocast_cpu_dtype(state.dtype);
-    at::autocast::set_cpu_enabled(state.enabled);
-  } else {
-    at::autocast::set_autocast_gpu_dtype(state.dtype);
-    at::autocast::set_enabled(state.enabled);
-  }
-#endif
 }
 
 }  // namespace detail
@@ -78,9 +39,9 @@ class AutocastGuard {
       MIXPREC_CHECK(dtype == c10::ScalarType::Half || dtype == c10::ScalarType::BFloat16,
                     "autocast casts to Half or BFloat16, not ", c10::toString(dtype));
       // LibTorch 1.13's CPU autocast knows bf16 only; with Half it fails later, inside an op.
-      MIXPREC_CHECK(detail::cpu_half_math || device != c10::DeviceType::CPU ||
+      MIXPREC_CHECK(cpu_half_math || device != c10::DeviceType::CPU ||
                         dtype == c10::ScalarType::BFloat16,
-                    "CPU autocast in LibTorch ", TORCH_VERSION,
+                    "CPU autocast in LibTorch ", torch_version,
                     " supports BFloat16 only: use MixedO1<at::BFloat16> on the CPU, Half on a "
                     "CUDA device, or LibTorch >= 2.4 for Half on the CPU");
     }

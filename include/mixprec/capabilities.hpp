@@ -7,7 +7,7 @@
 ///   if (cpu.fp16_conv_weight_grad_slow) { /* use mixprec::nn::Conv2d with fp32_weight_grad */ }
 ///   std::cout << cpu;  // "AMD EPYC ...: avx2 avx512f avx512_bf16; fp16 convolutions: ..."
 
-#include <mixprec/detail/torch_version.hpp>
+#include <mixprec/compat.hpp>
 
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
@@ -27,10 +27,6 @@
 #endif
 
 namespace mixprec {
-
-/// True where the CPU kernels of this LibTorch compute fp16 (matmul, conv, softmax, Adam):
-/// LibTorch >= 2.4. In 1.13 they only store it, and the Half policies refuse CPU models.
-inline constexpr bool cpu_half_math = detail::cpu_half_math;
 
 /// The CPU's low-precision features, and what they mean for training in fp16 on it.
 struct CpuCapabilities {

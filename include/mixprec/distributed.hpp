@@ -11,6 +11,7 @@
 /// Every rank must make the same calls (steps, saves, loads) in the same order: each is a
 /// collective. A rank that dies makes the others' next collective throw mixprec::Error.
 
+#include <mixprec/compat.hpp>
 #include <mixprec/detail/checkpoint_file.hpp>
 #include <mixprec/error.hpp>
 
@@ -24,7 +25,6 @@
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/Types.hpp>
 #include <torch/nn/module.h>
-#include <torch/version.h>
 
 #include <algorithm>
 #include <cstddef>
@@ -40,11 +40,7 @@ namespace mixprec {
 
 /// The c10d process group type that ProcessGroupGloo and ProcessGroupNCCL derive from:
 /// c10d::Backend in LibTorch 2.x, c10d::ProcessGroup in 1.13.
-#if TORCH_VERSION_MAJOR >= 2
-using ProcessGroup = c10d::Backend;
-#else
-using ProcessGroup = c10d::ProcessGroup;
-#endif
+using ProcessGroup = MIXPREC_C10D_PROCESS_GROUP;
 
 /// Settings of data-parallel training; DDP's defaults.
 struct DistributedOptions {
@@ -126,11 +122,10 @@ class DataParallel {
     MIXPREC_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
                   "DistributedOptions::reduce_dtype must be kFloat, kBFloat16 or kHalf, got ",
                   dtype);
-#if TORCH_VERSION_MAJOR < 2
-    MIXPREC_CHECK(dtype != at::kBFloat16 || group().getBackendName() != "gloo",
-                  "DistributedOptions::reduce_dtype(kBFloat16): LibTorch ", TORCH_VERSION,
+    MIXPREC_CHECK(gloo_reduces_bf16 || dtype != at::kBFloat16 ||
+                      group().getBackendName() != "gloo",
+                  "DistributedOptions::reduce_dtype(kBFloat16): LibTorch ", torch_version,
                   "'s Gloo backend cannot reduce bf16; reduce in kFloat (the default) or kHalf");
-#endif
     state_->group = options_.process_group();
     state_->reduce_dtype = dtype;
     state_->rank = group().getRank();

@@ -14,7 +14,7 @@
 ///   mixprec::Trainer<mixprec::MixedO2<at::BFloat16>> trainer(
 ///       model, optimizer, mixprec::TrainerOptions().fused_optimizer(true));
 
-#include <mixprec/detail/torch_version.hpp>
+#include <mixprec/compat.hpp>
 #include <mixprec/error.hpp>
 
 #include <ATen/ATen.h>
@@ -36,9 +36,6 @@
 #include <vector>
 
 namespace mixprec {
-
-/// True where ATen has the fused Adam/AdamW kernels on the CPU (LibTorch >= 2.4).
-inline constexpr bool fused_adam_available = MIXPREC_TORCH_AT_LEAST(2, 4);
 
 namespace detail {
 
@@ -147,7 +144,7 @@ struct AdamTypes<AdamKind::adamw> {
 /// (not a subclass), on a LibTorch with the fused kernels.
 inline void check_fused_adam(const torch::optim::Optimizer& optimizer) {
   MIXPREC_CHECK(fused_adam_available, "the fused Adam/AdamW step needs LibTorch >= 2.4 (ATen's "
-                "_fused_adam_ CPU kernel); this is LibTorch ", TORCH_VERSION, ": turn "
+                "_fused_adam_ CPU kernel); this is LibTorch ", torch_version, ": turn "
                 "fused_optimizer off");
   MIXPREC_CHECK(detail::adam_kind(optimizer).has_value(), "the fused step folds unscaling into "
                 "ATen's fused Adam/AdamW kernel, so the optimizer must be exactly "
@@ -173,10 +170,7 @@ void fused_adam_step_impl(torch::optim::Optimizer& optimizer, const at::Tensor& 
     const auto h = adam_hyper<Options>(group.options());
     // One kernel call per (device, dtype), as the CUDA kernel wants; the step counts are
     // per-parameter tensors, shared between parameters at the same count.
-    struct Batch {
-      std::vector<at::Tensor> params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps;
-    };
-    std::map<std::pair<std::string, int>, Batch> batches;
+    std::map<std::pair<std::string, int>, FusedAdamBatch> batches;
     std::map<std::pair<std::string, std::int64_t>, at::Tensor> step_tensors;
     for (auto& p : group.params()) {
       if (!p.grad().defined()) continue;
@@ -211,19 +205,8 @@ void fused_adam_step_impl(torch::optim::Optimizer& optimizer, const at::Tensor& 
     for (auto& [where, b] : batches) {
       std::optional<at::Tensor> scale;
       if (grad_scale.defined()) scale = grad_scale.reshape({}).to(b.params.front().device());
-#if MIXPREC_TORCH_AT_LEAST(2, 4)
-      if constexpr (Kind == AdamKind::adam) {
-        at::_fused_adam_(b.params, b.grads, b.exp_avgs, b.exp_avg_sqs, b.max_exp_avg_sqs, b.steps,
-                         h.lr, h.beta1, h.beta2, h.weight_decay, h.eps, h.amsgrad,
-                         /*maximize=*/false, scale, std::nullopt);
-      } else {
-        at::_fused_adamw_(b.params, b.grads, b.exp_avgs, b.exp_avg_sqs, b.max_exp_avg_sqs,
-                          b.steps, h.lr, h.beta1, h.beta2, h.weight_decay, h.eps, h.amsgrad,
-                          /*maximize=*/false, scale, std::nullopt);
-      }
-#else
-      (void)scale;
-#endif
+      fused_adam_kernel(Kind == AdamKind::adamw, b, h.lr, h.beta1, h.beta2, h.weight_decay, h.eps,
+                        h.amsgrad, scale);
     }
   }
 }

@@ -3,7 +3,7 @@
 /// instead of the model (Apex O2). Small updates that would vanish when added to a bf16/fp16
 /// weight accumulate in the fp32 master, and the model gets the rounded result after each step.
 
-#include <mixprec/detail/torch_version.hpp>
+#include <mixprec/compat.hpp>
 #include <mixprec/error.hpp>
 
 #include <ATen/ATen.h>

@@ -4,6 +4,7 @@
 #include <mixprec/advise.hpp>
 #include <mixprec/autocast.hpp>
 #include <mixprec/capabilities.hpp>
+#include <mixprec/compat.hpp>
 #include <mixprec/concepts.hpp>
 #include <mixprec/diagnostics.hpp>
 #include <mixprec/distributed.hpp>

@@ -23,7 +23,6 @@
 #include <ATen/core/Dict.h>
 #include <torch/arg.h>
 #include <torch/optim/optimizer.h>
-#include <torch/version.h>
 
 #include <cmath>
 #include <cstdint>

@@ -42,6 +42,8 @@
 #include <torch/optim/adamw.h>
 #include <torch/optim/optimizer.h>
 #include <torch/optim/rmsprop.h>
+#include <torch/serialize.h>
+#include <torch/ordered_dict.h>
 #include <torch/serialize/archive.h>
 
 #include <atomic>
@@ -49,6 +51,7 @@
 #include <cstdint>
 #include <exception>
 #include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -208,7 +211,7 @@ template <class P>
 void check_half_math(const torch::nn::Module& model) {
   if constexpr (P::low_dtype == c10::ScalarType::Half && !cpu_half_math) {
     for (const auto& p : model.parameters()) {
-      MIXPREC_CHECK(!p.device().is_cpu(), "Trainer<", P::name, ">: LibTorch ", TORCH_VERSION,
+      MIXPREC_CHECK(!p.device().is_cpu(), "Trainer<", P::name, ">: LibTorch ", torch_version,
                     " has no fp16 math on the CPU (matmul, conv, softmax, Adam throw for Half): "
                     "use ", P::name.substr(0, P::name.find('<')), "<at::BFloat16> on the CPU, "
                     "Half on a CUDA device, or LibTorch >= 2.4");
@@ -319,6 +322,16 @@ class TrainingModeGuard {
 }  // namespace detail
 
 /// Trains `model` with `optimizer` under precision policy P (see policy.hpp).
+/// The user's own values saved in a Trainer's checkpoint (the epoch, the position in the data),
+/// by name: anything an IValue holds (ints, doubles, bools, strings, tensors, lists of them).
+using UserValues = std::map<std::string, c10::IValue>;
+
+/// The file formats of Trainer::save_fp32.
+enum class WeightsFormat {
+  libtorch,  ///< Module::save's archive: torch::load(fp32_model, path) in C++
+  pickle,    ///< pickled (name, tensor) pairs: dict(torch.load(path)) in Python
+};
+
 template <class P>
 class Trainer {
   static_assert(require_policy<P>);
@@ -600,27 +613,17 @@ class Trainer {
   /// load() verifies. Call between optimizer steps, not in the middle of an accumulation.
   /// Data parallel: every rank calls it; rank 0 writes (with every rank's CPU RNG state) and
   /// the others return once it has, with its Error if it failed.
-  void save(const std::string& path) const {
-    check_not_busy("save");
-    MIXPREC_CHECK(pending_ == 0, "save() in the middle of an accumulation (", pending_, " of ",
-                  options_.accumulation_steps(), " micro-batches): save after a step");
-    if (!data_parallel_) return write(path, {}, {});
+  /// `user` goes into the same file (the epoch, the position in the data: anything an IValue
+  /// holds), and load() returns it.
+  void save(const std::string& path, const UserValues& user = {}) const {
+    check_saveable(user);
+    const auto [cpu_rngs, cuda_rngs] = gather_rngs();
+    if (!data_parallel_) return write(path, cpu_rngs, cuda_rngs, user);
     auto& group = *data_parallel_;
-    const auto cpu_rngs = group.all_gather(cpu_rng_state().to(group.device()));
-    std::vector<at::Tensor> cuda_rngs;  // each rank's, for the device its model is on
-    if (group.device().is_cuda()) {
-      auto generator = cuda_generator(static_cast<std::size_t>(group.device().index()));
-      at::Tensor state;
-      {
-        std::lock_guard<std::mutex> lock(generator.mutex());
-        state = generator.get_state();
-      }
-      cuda_rngs = group.all_gather(state.to(group.device()));
-    }
     std::exception_ptr failure;
     if (group.rank() == 0) {
       try {
-        write(path, cpu_rngs, cuda_rngs);
+        write(path, cpu_rngs, cuda_rngs, user);
       } catch (...) {
         failure = std::current_exception();
       }
@@ -637,8 +640,88 @@ class Trainer {
   /// corrupted or foreign file; another model or optimizer) throws mixprec::Error and changes
   /// nothing, but for a param group added since the last step: that is adopted first, as the
   /// next step() would adopt it. Data parallel: every rank loads the file (rank 0's path on a
-  /// shared file system); if any rank cannot, every rank throws and none changes.
-  void load(const std::string& path) {
+  /// shared file system); if any rank cannot, every rank throws and none changes. Returns the
+  /// user values saved with it (none: empty).
+  UserValues load(const std::string& path) {
+    return load_with(path, [&](auto& commit) { return load_file(path, commit); });
+  }
+
+  /// save() into an archive of the caller's (LibTorch's composition: `torch::save(trainer,
+  /// path)` and `archive << trainer` go through here): the same contents, without the atomic
+  /// file and its checksum, which the caller's archive does not have. Data parallel: every rank
+  /// calls it, and every rank's archive holds all ranks' RNG states.
+  void save(torch::serialize::OutputArchive& archive, const UserValues& user = {}) const {
+    check_saveable(user);
+    const auto [cpu_rngs, cuda_rngs] = gather_rngs();
+    try {
+      fill(archive, cpu_rngs, cuda_rngs, user);
+    } catch (const Error&) {
+      throw;
+    } catch (const std::exception& e) {
+      detail::fail("cannot write the checkpoint archive: ", detail::message_of(e));
+    }
+  }
+
+  /// load() from an archive of the caller's (`torch::load(trainer, path)`, `archive >> trainer`).
+  UserValues load(torch::serialize::InputArchive& archive) {
+    return load_with("the archive", [&](auto& commit) {
+      return checked_or_error("the archive",
+                              [&] { return load_checked(archive, "the archive", commit); });
+    });
+  }
+
+  /// The fp32 weights of the model by state_dict name: the masters under MixedO2 (not their
+  /// rounding in the model), the parameters cast to fp32 otherwise, and the buffers (floating
+  /// ones in fp32). What an fp32 model for inference or another framework takes.
+  torch::OrderedDict<std::string, at::Tensor> fp32_state_dict() const {
+    torch::OrderedDict<std::string, at::Tensor> result;
+    for (const auto& item : model_->named_parameters()) {
+      result.insert(item.key(), fp32_of(item.value()));
+    }
+    for (const auto& item : model_->named_buffers()) {
+      result.insert(item.key(), fp32_of(item.value()));
+    }
+    return result;
+  }
+
+  /// Writes fp32_state_dict() to `path` atomically: WeightsFormat::libtorch as Module::save
+  /// writes a model, so that `torch::load(fp32_model, path)` reads it into a model of the same
+  /// architecture built in fp32; WeightsFormat::pickle as a tuple of (name, tensor) pairs, which
+  /// Python reads with `model.load_state_dict(dict(torch.load(path)))`.
+  void save_fp32(const std::string& path, WeightsFormat format = WeightsFormat::libtorch) const {
+    check_not_busy("save_fp32");
+    try {
+      detail::AtomicFile file(path);
+      if (format == WeightsFormat::pickle) {
+        // Pairs in a tuple, not a dict: LibTorch tags a dict's type with a global that
+        // Python's torch.load(weights_only=True), its default since 2.6, refuses.
+        std::vector<c10::IValue> pairs;
+        for (const auto& item : fp32_state_dict()) {
+          pairs.emplace_back(
+              c10::ivalue::Tuple::create({c10::IValue(item.key()), c10::IValue(item.value())}));
+        }
+        const auto bytes =
+            torch::pickle_save(c10::IValue(c10::ivalue::Tuple::create(std::move(pairs))));
+        file.write(bytes.data(), bytes.size());
+      } else {
+        torch::serialize::OutputArchive archive;
+        write_fp32_module(*model_, archive);
+        archive.save_to([&](const void* data, std::size_t size) -> std::size_t {
+          return file.write(data, size) ? size : 0;
+        });
+      }
+      file.commit();
+    } catch (const Error&) {
+      throw;
+    } catch (const std::exception& e) {
+      detail::fail("cannot write fp32 weights to '", path, "': ", detail::message_of(e));
+    }
+  }
+
+ private:
+  // load(path) and load(archive): the data-parallel vote around `load_checked_with(commit)`.
+  template <class Load>
+  UserValues load_with(const std::string& source, Load&& load_checked_with) {
     check_not_busy("load");
     // A param group added since the last step is adopted first, as step() would: the checkpoint
     // of a run that had adopted it holds its masters and state, which must not be dropped.
@@ -648,20 +731,19 @@ class Trainer {
       if (!data_parallel_) return;
       voted = true;
       MIXPREC_CHECK(!data_parallel_->any(false), "rank ", data_parallel_->rank(), ": another "
-                    "rank could not load checkpoint '", path, "' (its Error says why); nothing "
-                    "was changed on any rank");
+                    "rank could not load checkpoint '", source, "' (its Error says why); "
+                    "nothing was changed on any rank");
     };
     try {
-      load_file(path, commit);
+      return load_checked_with(commit);
     } catch (...) {
       if (data_parallel_ && !voted) (void)data_parallel_->any(true);
       throw;
     }
   }
 
- private:
   template <class Commit>
-  void load_file(const std::string& path, Commit& commit) {
+  UserValues load_file(const std::string& path, Commit& commit) {
     const auto bytes = detail::read_checkpoint(path);
     torch::serialize::InputArchive archive;
     try {
@@ -669,70 +751,140 @@ class Trainer {
     } catch (const std::exception& e) {
       detail::fail("cannot read checkpoint '", path, "': ", detail::message_of(e));
     }
+    return checked_or_error(path, [&] { return load_checked(archive, path, commit); });
+  }
+
+  // Whatever LibTorch throws while reading an archive becomes a mixprec::Error naming it.
+  template <class Read>
+  static UserValues checked_or_error(const std::string& source, Read&& read) {
     try {
-      load_checked(archive, path, commit);
+      return read();
     } catch (const Error&) {
       throw;
     } catch (const std::exception& e) {  // c10::Error, or torch::jit::ErrorReport, which is not
-      detail::fail("checkpoint '", path, "' does not fit this trainer: ", detail::message_of(e));
+      detail::fail("checkpoint '", source, "' does not fit this trainer: ",
+                   detail::message_of(e));
     }
   }
 
-  // Data parallel: every rank's CPU RNG state, and CUDA's of its model's device, in rank order.
+  void check_saveable(const UserValues& user) const {
+    check_not_busy("save");
+    MIXPREC_CHECK(pending_ == 0, "save() in the middle of an accumulation (", pending_, " of ",
+                  options_.accumulation_steps(), " micro-batches): save after a step");
+    for (const auto& [key, value] : user) {
+      MIXPREC_CHECK(!key.empty() && !value.isNone(), "save(): user value '", key, "' needs a "
+                    "non-empty name and a value (an int, double, bool, string, tensor or a list "
+                    "of them)");
+    }
+  }
+
+  // Data parallel: every rank's CPU RNG state, and CUDA's of its model's device, in rank order
+  // (collective); one process: none (fill() reads this process's own).
+  std::pair<std::vector<at::Tensor>, std::vector<at::Tensor>> gather_rngs() const {
+    if (!data_parallel_) return {};
+    auto& group = *data_parallel_;
+    auto cpu_rngs = group.all_gather(cpu_rng_state().to(group.device()));
+    std::vector<at::Tensor> cuda_rngs;  // each rank's, for the device its model is on
+    if (group.device().is_cuda()) {
+      auto generator = cuda_generator(static_cast<std::size_t>(group.device().index()));
+      at::Tensor state;
+      {
+        std::lock_guard<std::mutex> lock(generator.mutex());
+        state = generator.get_state();
+      }
+      cuda_rngs = group.all_gather(state.to(group.device()));
+    }
+    return {std::move(cpu_rngs), std::move(cuda_rngs)};
+  }
+
+  at::Tensor fp32_of(const at::Tensor& t) const {
+    const auto master = masters_ ? masters_->master_of(t) : at::Tensor();
+    const auto& value = master.defined() ? master : t;
+    if (!value.is_floating_point()) return value.detach().clone();
+    return value.detach().to(at::kFloat, /*non_blocking=*/false, /*copy=*/true);
+  }
+
+  // Module::save's layout (own parameters, own buffers, one archive per child), fp32 values.
+  void write_fp32_module(const torch::nn::Module& module,
+                         torch::serialize::OutputArchive& archive) const {
+    for (const auto& item : module.named_parameters(/*recurse=*/false)) {
+      archive.write(item.key(), fp32_of(item.value()));
+    }
+    for (const auto& item : module.named_buffers(/*recurse=*/false)) {
+      archive.write(item.key(), fp32_of(item.value()), /*is_buffer=*/true);
+    }
+    for (const auto& child : module.named_children()) {
+      torch::serialize::OutputArchive child_archive;
+      write_fp32_module(*child.value(), child_archive);
+      archive.write(child.key(), child_archive);
+    }
+  }
+
   void write(const std::string& path, const std::vector<at::Tensor>& cpu_rngs,
-             const std::vector<at::Tensor>& cuda_rngs) const {
+             const std::vector<at::Tensor>& cuda_rngs, const UserValues& user) const {
     try {
       torch::serialize::OutputArchive archive;
-      archive.write("mixprec.policy", c10::IValue(std::string(P::name)));
-      archive.write("mixprec.optimizer", c10::IValue(detail::optimizer_type(*optimizer_)));
-      archive.write("mixprec.fused_optimizer", c10::IValue(options_.fused_optimizer()));
-      archive.write("mixprec.counters", at::tensor({stats_.steps, stats_.skipped_steps,
-                                                    stats_.micro_batches}, at::kLong));
-      for (const auto& item : model_->named_parameters()) {
-        archive.write("model." + item.key(), item.value().detach());
-      }
-      for (const auto& item : model_->named_buffers()) {
-        archive.write("model." + item.key(), item.value(), /*is_buffer=*/true);
-      }
-      const auto masters = master_weights();
-      for (std::size_t i = 0; i < masters.size(); ++i) {
-        archive.write("masters." + std::to_string(i), masters[i].detach());
-      }
-      torch::serialize::OutputArchive optimizer_archive;
-      optimizer_->save(optimizer_archive);
-      archive.write("optimizer", optimizer_archive);
-      // LibTorch 1.13 does not restore param-group options (a scheduler's lr): record them, and
-      // the group sizes, which load() checks before it touches the optimizer.
-      torch::serialize::OutputArchive groups_archive;
-      std::vector<std::int64_t> group_sizes;
-      for (std::size_t g = 0; g < optimizer_->param_groups().size(); ++g) {
-        const auto& group = optimizer_->param_groups()[g];
-        group_sizes.push_back(static_cast<std::int64_t>(group.params().size()));
-        torch::serialize::OutputArchive options_archive;
-        group.options().serialize(options_archive);
-        groups_archive.write(std::to_string(g), options_archive);
-      }
-      groups_archive.write("sizes", at::tensor(group_sizes, at::kLong));
-      archive.write("optimizer.groups", groups_archive);
-      archive.write("scaler", c10::IValue(scaler_.state_dict()));
-      archive.write("rng.cpu", cpu_rng_state());
-      for (std::size_t r = 1; r < cpu_rngs.size(); ++r) {
-        archive.write("rng.cpu.rank" + std::to_string(r), cpu_rngs[r].cpu());
-      }
-      for (std::size_t r = 1; r < cuda_rngs.size(); ++r) {
-        archive.write("rng.cuda.rank" + std::to_string(r), cuda_rngs[r].cpu());
-      }
-      for (std::size_t d = 0; d < cuda_devices(); ++d) {
-        auto generator = cuda_generator(d);
-        std::lock_guard<std::mutex> lock(generator.mutex());
-        archive.write("rng.cuda." + std::to_string(d), generator.get_state());
-      }
+      fill(archive, cpu_rngs, cuda_rngs, user);
       detail::save_checkpoint(archive, path);
     } catch (const Error&) {
       throw;
     } catch (const std::exception& e) {
       detail::fail("cannot write checkpoint '", path, "': ", detail::message_of(e));
     }
+  }
+
+  void fill(torch::serialize::OutputArchive& archive, const std::vector<at::Tensor>& cpu_rngs,
+            const std::vector<at::Tensor>& cuda_rngs, const UserValues& user) const {
+    archive.write("mixprec.policy", c10::IValue(std::string(P::name)));
+    archive.write("mixprec.optimizer", c10::IValue(detail::optimizer_type(*optimizer_)));
+    archive.write("mixprec.fused_optimizer", c10::IValue(options_.fused_optimizer()));
+    archive.write("mixprec.counters", at::tensor({stats_.steps, stats_.skipped_steps,
+                                                  stats_.micro_batches}, at::kLong));
+    for (const auto& item : model_->named_parameters()) {
+      archive.write("model." + item.key(), item.value().detach());
+    }
+    for (const auto& item : model_->named_buffers()) {
+      archive.write("model." + item.key(), item.value(), /*is_buffer=*/true);
+    }
+    const auto masters = master_weights();
+    for (std::size_t i = 0; i < masters.size(); ++i) {
+      archive.write("masters." + std::to_string(i), masters[i].detach());
+    }
+    torch::serialize::OutputArchive optimizer_archive;
+    optimizer_->save(optimizer_archive);
+    archive.write("optimizer", optimizer_archive);
+    // LibTorch 1.13 does not restore param-group options (a scheduler's lr): record them, and
+    // the group sizes, which load() checks before it touches the optimizer.
+    torch::serialize::OutputArchive groups_archive;
+    std::vector<std::int64_t> group_sizes;
+    for (std::size_t g = 0; g < optimizer_->param_groups().size(); ++g) {
+      const auto& group = optimizer_->param_groups()[g];
+      group_sizes.push_back(static_cast<std::int64_t>(group.params().size()));
+      torch::serialize::OutputArchive options_archive;
+      group.options().serialize(options_archive);
+      groups_archive.write(std::to_string(g), options_archive);
+    }
+    groups_archive.write("sizes", at::tensor(group_sizes, at::kLong));
+    archive.write("optimizer.groups", groups_archive);
+    archive.write("scaler", c10::IValue(scaler_.state_dict()));
+    archive.write("rng.cpu", cpu_rng_state());
+    for (std::size_t r = 1; r < cpu_rngs.size(); ++r) {
+      archive.write("rng.cpu.rank" + std::to_string(r), cpu_rngs[r].cpu());
+    }
+    for (std::size_t r = 1; r < cuda_rngs.size(); ++r) {
+      archive.write("rng.cuda.rank" + std::to_string(r), cuda_rngs[r].cpu());
+    }
+    for (std::size_t d = 0; d < cuda_devices(); ++d) {
+      auto generator = cuda_generator(d);
+      std::lock_guard<std::mutex> lock(generator.mutex());
+      archive.write("rng.cuda." + std::to_string(d), generator.get_state());
+    }
+    c10::List<std::string> keys;
+    for (const auto& [key, value] : user) {
+      archive.write("user." + key, value);
+      keys.push_back(key);
+    }
+    archive.write("mixprec.user_keys", c10::IValue(keys));
   }
 
   // The tensors that hold each model tensor's gradient at the end of the backward pass, still
@@ -962,8 +1114,8 @@ class Trainer {
 
   // Reads everything into temporaries first; assigns only when all of it is there and fits.
   template <class Commit>
-  void load_checked(torch::serialize::InputArchive& archive, const std::string& path,
-                    Commit& commit) {
+  UserValues load_checked(torch::serialize::InputArchive& archive, const std::string& path,
+                          Commit& commit) {
     c10::IValue policy_name;
     MIXPREC_CHECK(archive.try_read("mixprec.policy", policy_name) && policy_name.isString(),
                   "'", path, "' is not a mixprec checkpoint (no policy recorded)");
@@ -1093,6 +1245,20 @@ class Trainer {
     }
     auto scaler = detail::make_scaler<P>(options_);  // validates the state before any change
     scaler.load_state_dict(scaler_state.toGenericDict());
+    UserValues user;
+    c10::IValue user_keys;  // none in a checkpoint written before user values existed
+    if (archive.try_read("mixprec.user_keys", user_keys)) {
+      MIXPREC_CHECK(user_keys.isList(), "'", path, "' holds a damaged list of user values");
+      const auto keys = user_keys.toList();
+      for (std::size_t i = 0; i < keys.size(); ++i) {
+        const c10::IValue key = keys.get(i);
+        MIXPREC_CHECK(key.isString(), "'", path, "' holds a damaged list of user values");
+        c10::IValue value;
+        MIXPREC_CHECK(archive.try_read("user." + key.toStringRef(), value), "'", path,
+                      "' lacks user value '", key.toStringRef(), "'");
+        user.emplace(key.toStringRef(), std::move(value));
+      }
+    }
     commit();  // every rank has read and checked all of it
 
     // The optimizer loads in place, and LibTorch's load() only adds state: start from none,
@@ -1140,6 +1306,7 @@ class Trainer {
     buffers_synced_ = false;
     calls_ = stats_.micro_batches;  // the same on every rank that loaded this checkpoint
     zero_grads();
+    return user;
   }
 
   std::shared_ptr<torch::nn::Module> model_;
@@ -1161,5 +1328,21 @@ class Trainer {
   std::int64_t pending_ = 0;  // micro-batches accumulated since the last optimizer step
   at::Tensor loss_sum_;       // their losses: inf/NaN in any of them skips the step
 };
+
+/// `archive << trainer`, and so `torch::save(trainer, path)`: Trainer::save(archive).
+template <class P>
+torch::serialize::OutputArchive& operator<<(torch::serialize::OutputArchive& archive,
+                                            const Trainer<P>& trainer) {
+  trainer.save(archive);
+  return archive;
+}
+
+/// `archive >> trainer`, and so `torch::load(trainer, path)`: Trainer::load(archive).
+template <class P>
+torch::serialize::InputArchive& operator>>(torch::serialize::InputArchive& archive,
+                                           Trainer<P>& trainer) {
+  trainer.load(archive);
+  return archive;
+}
 
 }  // namespace mixprec

@@ -1,0 +1,125 @@
+#pragma once
+/// Every difference between the LibTorch versions mixprec supports (1.13 to 2.x) lives here, with
+/// the capability flags that follow from them; no other header tests the version.
+
+#include <ATen/ATen.h>
+#include <ATen/autocast_mode.h>
+#include <c10/core/DeviceType.h>
+#include <c10/core/ScalarType.h>
+#include <torch/version.h>
+
+#include <optional>
+#include <sstream>
+#include <string>
+#include <string_view>
+#include <type_traits>
+#include <vector>
+
+/// True when the LibTorch in use is at least major.minor.
+#define MIXPREC_TORCH_AT_LEAST(major, minor) \
+  (TORCH_VERSION_MAJOR > (major) ||          \
+   (TORCH_VERSION_MAJOR == (major) && TORCH_VERSION_MINOR >= (minor)))
+
+/// The c10d class that ProcessGroupGloo and ProcessGroupNCCL derive from (mixprec::ProcessGroup,
+/// declared by distributed.hpp, which includes c10d): c10d::Backend in LibTorch 2.x,
+/// c10d::ProcessGroup in 1.13.
+#if TORCH_VERSION_MAJOR >= 2
+#define MIXPREC_C10D_PROCESS_GROUP c10d::Backend
+#else
+#define MIXPREC_C10D_PROCESS_GROUP c10d::ProcessGroup
+#endif
+
+namespace mixprec {
+
+/// The LibTorch version mixprec is built against, e.g. "2.13.0".
+inline constexpr std::string_view torch_version = TORCH_VERSION;
+
+/// True where the CPU kernels of this LibTorch compute fp16 (matmul, conv, softmax, Adam):
+/// LibTorch >= 2.4. In 1.13 they only store it, CPU autocast accepts bf16 only, and the Half
+/// policies refuse CPU models. 2.4 is where the device-typed autocast API and CPU fp16 autocast
+/// meet; the Half policies need both.
+inline constexpr bool cpu_half_math = MIXPREC_TORCH_AT_LEAST(2, 4);
+
+/// True where ATen has the fused Adam/AdamW kernels on the CPU (LibTorch >= 2.4).
+inline constexpr bool fused_adam_available = MIXPREC_TORCH_AT_LEAST(2, 4);
+
+/// True where the Gloo backend reduces bf16 tensors (LibTorch 2.x; 1.13's cannot).
+inline constexpr bool gloo_reduces_bf16 = TORCH_VERSION_MAJOR >= 2;
+
+namespace detail {
+
+// The optimizer state key of a tensor: its TensorImpl address printed as a string in LibTorch
+// 1.x (as c10::guts::to_string printed it), the address itself in 2.x. `Map` is the type of
+// Optimizer::state().
+template <class Map>
+auto state_key(const at::Tensor& p) {
+  using Key = typename std::decay_t<Map>::key_type;
+  if constexpr (std::is_same_v<Key, std::string>) {
+    std::ostringstream key;
+    key << p.unsafeGetTensorImpl();
+    return key.str();
+  } else {
+    return static_cast<Key>(p.unsafeGetTensorImpl());
+  }
+}
+
+// Autocast's switches: LibTorch 2.4 replaced the per-device functions by ones taking the device
+// type (CPU and CUDA only here; autocast.hpp checks).
+struct AutocastState {
+  bool enabled;
+  c10::ScalarType dtype;
+};
+
+inline AutocastState get_autocast_state(c10::DeviceType device) {
+#if MIXPREC_TORCH_AT_LEAST(2, 4)
+  return {at::autocast::is_autocast_enabled(device), at::autocast::get_autocast_dtype(device)};
+#else
+  if (device == c10::DeviceType::CPU) {
+    return {at::autocast::is_cpu_enabled(), at::autocast::get_autocast_cpu_dtype()};
+  }
+  return {at::autocast::is_enabled(), at::autocast::get_autocast_gpu_dtype()};
+#endif
+}
+
+inline void set_autocast_state(c10::DeviceType device, AutocastState state) {
+#if MIXPREC_TORCH_AT_LEAST(2, 4)
+  at::autocast::set_autocast_dtype(device, state.dtype);
+  at::autocast::set_autocast_enabled(device, state.enabled);
+#else
+  if (device == c10::DeviceType::CPU) {
+    at::autocast::set_autocast_cpu_dtype(state.dtype);
+    at::autocast::set_cpu_enabled(state.enabled);
+  } else {
+    at::autocast::set_autocast_gpu_dtype(state.dtype);
+    at::autocast::set_enabled(state.enabled);
+  }
+#endif
+}
+
+// ATen's fused Adam (adamw = false) or AdamW kernel over one batch of same-device tensors; a
+// no-op where fused_adam_available is false (callers check it first).
+struct FusedAdamBatch {
+  std::vector<at::Tensor> params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps;
+};
+
+inline void fused_adam_kernel(bool adamw, FusedAdamBatch& b, double lr, double beta1, double beta2,
+                              double weight_decay, double eps, bool amsgrad,
+                              const std::optional<at::Tensor>& grad_scale) {
+#if MIXPREC_TORCH_AT_LEAST(2, 4)
+  if (adamw) {
+    at::_fused_adamw_(b.params, b.grads, b.exp_avgs, b.exp_avg_sqs, b.max_exp_avg_sqs, b.steps,
+                      lr, beta1, beta2, weight_decay, eps, amsgrad, /*maximize=*/false,
+                      grad_scale, std::nullopt);
+  } else {
+    at::_fused_adam_(b.params, b.grads, b.exp_avgs, b.exp_avg_sqs, b.max_exp_avg_sqs, b.steps,
+                     lr, beta1, beta2, weight_decay, eps, amsgrad, /*maximize=*/false,
+                     grad_scale, std::nullopt);
+  }
+#else
+  (void)adamw, (void)b, (void)lr, (void)beta1, (void)beta2, (void)weight_decay, (void)eps,
+      (void)amsgrad, (void)grad_scale;
+#endif
+}
+
+}  // namespace detail
+}  // namespace mixprec
