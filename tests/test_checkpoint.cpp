@@ -966,4 +966,10 @@ TEST_CASE("fp32 export: MixedO2's masters, not their bf16 rounding, for torch::l
     ++lines;
   }
   CHECK(lines == state.size());
+
+  // A path that cannot be written is an Error naming it, and leaves nothing behind.
+  const auto missing = temp_path("no_such_directory/weights.pt");
+  CHECK_THROWS_WITH_AS(rig.trainer.save_fp32(missing), doctest::Contains("no_such_directory"),
+                       mp::Error);
+  CHECK_FALSE(std::filesystem::exists(std::filesystem::path(missing).parent_path()));
 }
