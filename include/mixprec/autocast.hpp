@@ -87,9 +87,10 @@ std::vector<c10::DeviceType> autocast_device_types(const Tensors& tensors) {
     for (const auto known : types) seen = seen || known == type;
     if (seen) continue;
     MIXPREC_CHECK(type == c10::DeviceType::CPU || type == c10::DeviceType::CUDA,
-                  "a parameter of shape ", t.sizes(), " is on the ", c10::DeviceTypeName(type, /*lower_case=*/true),
-                  " device; mixed precision (autocast) supports CPU and CUDA tensors: move the "
-                  "model with ->to(torch::kCPU) or ->to(torch::kCUDA)");
+                  "a parameter of shape ", t.sizes(), " is on the ",
+                  c10::DeviceTypeName(type, /*lower_case=*/true), " device; mixed precision "
+                  "(autocast) supports CPU and CUDA tensors: move the model with "
+                  "->to(torch::kCPU) or ->to(torch::kCUDA)");
     types.push_back(type);
   }
   return types;

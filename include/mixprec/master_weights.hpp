@@ -90,12 +90,12 @@ inline bool has_stepped(const torch::optim::Optimizer& optimizer) {
 /// Gives an optimizer whose state exists from construction (LibTorch's Adagrad) the state its
 /// constructor would have built for the tensors it holds now, after the Trainer replaced them
 /// (fp32 masters: `replaced(t)` is the model tensor a master replaced, else undefined), cast
-/// them, or found a param group added since: an entry is kept or moved from the replaced tensor and its
-/// `sum` converted to the tensor's dtype (exact before a first step: it holds
-/// initial_accumulator_value), or made
-/// from the group's initial_accumulator_value where none exists (LibTorch's add_param_group
-/// makes none, and its step() would fail). Entries of tensors no longer held are dropped.
-/// Optimizers that create their state at their first step: nothing to do.
+/// them, or found a param group added since. An entry is kept, or moved from the replaced
+/// tensor, with its `sum` converted to the tensor's dtype (exact before a first step: it holds
+/// initial_accumulator_value); where none exists it is made from the group's
+/// initial_accumulator_value (LibTorch's add_param_group makes none, and its step() would
+/// fail). Entries of tensors no longer held are dropped. Optimizers that create their state at
+/// their first step: nothing to do.
 template <class Replaced>
 void fit_construction_state(torch::optim::Optimizer& optimizer, Replaced&& replaced) {
   if (dynamic_cast<const torch::optim::Adagrad*>(&optimizer) == nullptr) return;
