@@ -16,6 +16,7 @@
 #include <functional>
 #include <limits>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace mp = mixprec;
@@ -615,6 +616,41 @@ TEST_CASE("a missing or wrong part of a checkpoint is a mixprec::Error that chan
                         test::snapshot(source.trainer.master_weights())));
 }
 
+namespace {
+
+// The [begin, end) byte ranges of the zip records (local header and data) of an archive's
+// TorchScript sources: entries named */code/*. Records are found by their local header
+// signature and end where the next record or the central directory begins.
+std::vector<std::pair<std::size_t, std::size_t>> code_records(const std::string& zip) {
+  std::vector<std::pair<std::size_t, std::size_t>> records;
+  auto u16 = [&](std::size_t at) {
+    return static_cast<std::size_t>(static_cast<unsigned char>(zip[at])) |
+           static_cast<std::size_t>(static_cast<unsigned char>(zip[at + 1])) << 8;
+  };
+  std::vector<std::size_t> starts;
+  for (auto at = zip.find("PK\x03\x04"); at != std::string::npos; at = zip.find("PK\x03\x04", at + 4)) {
+    starts.push_back(at);
+  }
+  const auto directory = zip.rfind("PK\x01\x02");
+  for (std::size_t k = 0; k < starts.size(); ++k) {
+    const auto at = starts[k];
+    if (at + 30 > zip.size()) break;
+    const auto name = zip.substr(at + 30, u16(at + 26));
+    const auto end = k + 1 < starts.size() ? starts[k + 1] : directory;
+    if (name.find("/code/") != std::string::npos) records.emplace_back(at, end);
+  }
+  return records;
+}
+
+bool within(const std::vector<std::pair<std::size_t, std::size_t>>& ranges, std::size_t i) {
+  for (const auto& [begin, end] : ranges) {
+    if (i >= begin && i < end) return true;
+  }
+  return false;
+}
+
+}  // namespace
+
 // Skipped under AddressSanitizer: a forged archive makes LibTorch 1.13 ask for ~28 GB, and ASan
 // aborts on a failed operator new where the Release builds throw std::bad_alloc, which load turns
 // into a mixprec::Error. Both Release runs of CI run it.
@@ -640,11 +676,20 @@ TEST_CASE("whatever LibTorch throws for a damaged archive, load throws a mixprec
   };
   REQUIRE(with_trailer(archive) == bytes);  // the trailer is as documented
 
+  // LibTorch 1.13's TorchScript parser (ScriptTypeParser, reached from InputArchive::load_from)
+  // dereferences garbage on some damaged class sources: a segfault inside LibTorch, not an
+  // exception mixprec could translate (docs/reliability.md). Under 1.13 the damage goes
+  // everywhere but the archive's code/ records; 2.x is damaged everywhere.
+  const auto code = code_records(archive);
+  const bool parser_crashes = !MIXPREC_TORCH_AT_LEAST(2, 0);
+  REQUIRE_FALSE(code.empty());  // the scan found the records it steers around
+
   Rig<ScaledO2> target(39);
   target.step(Batch(40));
   int refused = 0, foreign = 0;
   const std::size_t stride = archive.size() / 300 + 1;
   for (std::size_t i = 0; i < archive.size(); i += stride) {
+    if (parser_crashes && within(code, i)) continue;
     auto body = archive;
     body[i] = static_cast<char>(body[i] ^ 0x5A);
     write_bytes(damaged, with_trailer(body));

@@ -19,6 +19,7 @@
 #include <cmath>
 #include <csignal>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -963,9 +964,21 @@ std::vector<Outcome> run_ranks(const std::string& name, int world,
   return outcomes;
 }
 
+// How a rank ended, for the failure message: "exit 0", "signal 13 (Broken pipe)", ...
+std::string ending(const Outcome& o) {
+  if (o.hung) return "killed at the deadline";
+  if (o.status == -1) return "never collected";
+  if (WIFEXITED(o.status)) return "exit " + std::to_string(WEXITSTATUS(o.status));
+  if (WIFSIGNALED(o.status)) {
+    return "signal " + std::to_string(WTERMSIG(o.status)) + " (" + strsignal(WTERMSIG(o.status)) +
+           ")";
+  }
+  return "status " + std::to_string(o.status);
+}
+
 void require_all_passed(const std::vector<Outcome>& outcomes) {
   for (std::size_t r = 0; r < outcomes.size(); ++r) {
-    INFO("rank ", r, " log:\n", outcomes[r].log);
+    INFO("rank ", r, ": ", ending(outcomes[r]), "; log:\n", outcomes[r].log);
     CHECK_FALSE(outcomes[r].hung);
     CHECK((WIFEXITED(outcomes[r].status) && WEXITSTATUS(outcomes[r].status) == 0));
   }
@@ -1162,10 +1175,11 @@ TEST_CASE("distributed: a rank killed mid-run makes the others throw mixprec::Er
   const auto outcomes = run_ranks("kill", 3, std::chrono::seconds(120));
   const auto seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   for (std::size_t r = 0; r + 1 < outcomes.size(); ++r) {
-    INFO("rank ", r, " log:\n", outcomes[r].log);
+    INFO("rank ", r, ": ", ending(outcomes[r]), "; log:\n", outcomes[r].log);
     CHECK_FALSE(outcomes[r].hung);
     CHECK((WIFEXITED(outcomes[r].status) && WEXITSTATUS(outcomes[r].status) == 0));
   }
+  INFO("the victim: ", ending(outcomes.back()));
   CHECK((WIFSIGNALED(outcomes.back().status) && WTERMSIG(outcomes.back().status) == SIGKILL));
   CHECK(seconds < 60);  // the survivors' bound is the group's 30 s timeout at most
 }
