@@ -519,7 +519,7 @@ double kernel_share_percent(Loop& loop, int steps) {
 /// `module`. In the training loop the same work costs more: its code and data are cold there.
 struct TrainerParts {
   double grad_check = 0;  // NoScaler's read-only inf/NaN pass over the gradients
-  double loss_check = 0;  // the inf/NaN check of the loss (UnscaleOptions::also_check)
+  double loss_check = 0;  // the inf/NaN check of the loss (the Trainer's also_check)
   double zero_grad = 0;   // Module::zero_grad over Optimizer::zero_grad
   double loss_view = 0;   // loss.to(kFloat).reshape({}) and detach, forward and backward
   double guard = 0;       // autocast<FullPrecision> scope
@@ -528,16 +528,16 @@ struct TrainerParts {
 
 TrainerParts time_trainer_parts(torch::nn::Module& module, torch::optim::Optimizer& optimizer) {
   TrainerParts parts;
-  mixprec::NoScaler scaler;
+  mixprec::detail::StepEngine scaler(/*allow_fp16=*/false);  // the Trainer's, at scale 1
   parts.grad_check = us_per_call(200, [&] {
-    scaler.unscale_(optimizer);
-    scaler.update();
+    scaler.unscale_planned(optimizer, {});
+    scaler.reset_stages();
   });
   const auto weight = torch::ones({}, torch::requires_grad());
   const auto scalar = (weight * 2.0).detach();
   const double with_loss = us_per_call(200, [&] {
-    scaler.unscale_(optimizer, mixprec::UnscaleOptions().also_check(scalar));
-    scaler.update();
+    scaler.unscale_planned(optimizer, mixprec::detail::UnscalePlan().also_check(scalar));
+    scaler.reset_stages();
   });
   parts.loss_check = with_loss - parts.grad_check;
   const double module_zero = us_per_call(500, [&] { module.zero_grad(); });
@@ -581,11 +581,11 @@ class BuildUpLoop : public Loop {
       }
       if (stage_ >= 3) {
         scaler_.scale(loss).backward();
-        mixprec::UnscaleOptions unscale;
+        mixprec::detail::UnscalePlan unscale;
         if (stage_ >= 4) unscale.also_check(detached);
-        scaler_.unscale_(optimizer_, unscale);
+        scaler_.unscale_planned(optimizer_, unscale);
         scaler_.step(optimizer_);
-        scaler_.update();
+        scaler_.reset_stages();
       } else {
         loss.backward();
         optimizer_.step();
@@ -598,7 +598,7 @@ class BuildUpLoop : public Loop {
  private:
   models::Bound net_;
   torch::optim::Adam optimizer_;
-  mixprec::NoScaler scaler_;
+  mixprec::detail::StepEngine scaler_{/*allow_fp16=*/false};  // the Trainer's, at scale 1
   int stage_;
   std::size_t cursor_ = 0;
 };
@@ -621,7 +621,7 @@ void print_trainer_build_up(const Workload& w, const bench::Options& options) {
       "+ Module::zero_grad() instead of the optimizer's zero_grad()",
       "+ loss.to(kFloat).reshape({}) and loss.detach() for the report",
       "+ NoScaler: scale, unscale_ (read-only inf/NaN pass over the gradients), step, update",
-      "+ UnscaleOptions::also_check(loss): isfinite, logical_not, any, to, add_, clamp_max_",
+      "+ the loss check (also_check): isfinite, logical_not, any, to, add_, clamp_max_",
       "Trainer<FullPrecision>::step (adds the autocast guard and the report)"};
   std::printf("\nRow 3, where the time goes: the hand-written loop with the Trainer's extra work "
               "added step by step (fp32, interleaved, medians; the differences are paired "

@@ -307,7 +307,7 @@ TEST_CASE("GradScaler::unscale_ on an optimizer that holds a tensor twice unscal
   CHECK_FALSE(no_norm.has_value());
 }
 
-TEST_CASE("GradScaler::unscale_ with grads_from: a repeated tensor needs the same source") {
+TEST_CASE("the Trainer's unscale with grads_from: a repeated tensor needs the same source") {
   auto master = torch::zeros({2}, torch::requires_grad());
   auto model = torch::zeros({2}, at::TensorOptions(at::kBFloat16).requires_grad(true));
   auto other = torch::zeros({2}, at::TensorOptions(at::kBFloat16).requires_grad(true));
@@ -315,13 +315,14 @@ TEST_CASE("GradScaler::unscale_ with grads_from: a repeated tensor needs the sam
   other.mutable_grad() = torch::tensor({1.0, 1.0}, at::kBFloat16);
   torch::optim::SGD sgd(std::vector<at::Tensor>{master, master}, torch::optim::SGDOptions(1.0));
   {
-    mp::GradScaler scaler(mp::GradScalerOptions().init_scale(2.0));
+    mp::detail::StepEngine scaler(/*allow_fp16=*/false);
+    scaler.use_scale(2.0);
     (void)scaler.scale(torch::ones({}));
-    CHECK_THROWS_WITH_AS(scaler.unscale_(sgd, mp::UnscaleOptions().grads_from({model, other})),
+    CHECK_THROWS_WITH_AS(scaler.unscale_planned(sgd, mp::detail::UnscalePlan().grads_from({model, other})),
                          doctest::Contains("grads_from[1]"), mp::Error);
     CHECK_FALSE(master.grad().defined());  // nothing written
     // Consistent: the norm counts the tensor once, (3, 4) -> 5.
-    const auto norm = scaler.unscale_(sgd, mp::UnscaleOptions().grads_from({model, model}).max_grad_norm(100.0));
+    const auto norm = scaler.unscale_planned(sgd, mp::detail::UnscalePlan().grads_from({model, model}).max_grad_norm(100.0));
     CHECK(norm.value() == 5.0);
     CHECK(master.grad().equal(torch::tensor({3.0F, 4.0F})));
   }

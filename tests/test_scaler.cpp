@@ -610,41 +610,50 @@ TEST_CASE("StaticScaler: state_dict round trip, integer scales, options it would
   }
 }
 
-TEST_CASE("UnscaleOptions::also_check: inf or NaN in it skips the step, finite gradients or not") {
+TEST_CASE("the Trainer's also_check: inf or NaN in it skips the step, finite gradients or not") {
+  // detail::StepEngine is the Trainer's gradient pass; also_check carries the loss.
   auto w = torch::ones({3}, torch::requires_grad());
   auto opt = sgd_over({w}, 1.0);
-  mp::GradScaler scaler(mp::GradScalerOptions().init_scale(4).growth_interval(1));
+  mp::detail::StepEngine engine(/*allow_fp16=*/false);
+  engine.use_scale(4.0);
   const auto iterate = [&](const at::Tensor& also_check) {
     opt.zero_grad();
-    scaler.scale(w.sum()).backward();
-    scaler.unscale_(opt, mp::UnscaleOptions().also_check(also_check));
+    engine.scale(w.sum()).backward();
+    engine.unscale_planned(opt, mp::detail::UnscalePlan().also_check(also_check));
     CHECK(w.grad().equal(torch::ones({3})));  // unscaled either way
-    const bool stepped = scaler.step(opt);
-    scaler.update();
+    const bool stepped = engine.step(opt);
+    engine.reset_stages();
     return stepped;
   };
   CHECK(iterate(torch::tensor({1.0F, 2.0F})));
   CHECK(w.equal(torch::zeros({3})));
-  CHECK(scaler.get_scale() == 8.0);
   for (const float bad : {kNaN, kInf, -kInf}) {
     CAPTURE(bad);
     const auto before = w.detach().clone();
     CHECK_FALSE(iterate(torch::tensor({1.0F, bad, 3.0F})));  // a NaN loss, finite gradients
     CHECK(w.equal(before));
   }
-  CHECK(scaler.get_scale() == 1.0);  // backed off three times
-  CHECK(scaler.skipped_steps() == 3);
+  CHECK(engine.skipped_steps() == 3);
   CHECK(iterate(torch::full({2, 2}, 3.0, torch::kBFloat16)));  // any dtype and shape
   CHECK_FALSE(iterate(torch::full({2, 2}, kInf, torch::kBFloat16)));
   CHECK(iterate(at::Tensor()));  // undefined: nothing more to check
-  SUBCASE("NoScaler and clipping keep the check") {
-    mp::NoScaler none;
+  SUBCASE("scale 1 and clipping keep the check") {
+    mp::detail::StepEngine none(/*allow_fp16=*/false);
+    none.use_scale(1.0);
     opt.zero_grad();
-    w.sum().backward();
-    CHECK(none.unscale_(opt, mp::UnscaleOptions().max_grad_norm(1.0).also_check(
-                                 torch::scalar_tensor(kNaN))).has_value());
+    none.scale(w.sum()).backward();
+    CHECK(none.unscale_planned(opt, mp::detail::UnscalePlan().max_grad_norm(1.0).also_check(
+                                        torch::scalar_tensor(kNaN))).has_value());
     CHECK_FALSE(none.step(opt));
-    none.update();
+  }
+  SUBCASE("a scale that is not a positive normal fp32 value is an Error, the scale kept") {
+    for (const double bad : {0.0, -1.0, static_cast<double>(kInf), static_cast<double>(kNaN),
+                             1e-40, 1e39}) {
+      CAPTURE(bad);
+      CHECK_THROWS_WITH_AS(engine.use_scale(bad), doctest::Contains("the scaler's get_scale()"),
+                           mp::Error);
+      CHECK(engine.get_scale() == 4.0);
+    }
   }
 }
 
@@ -876,26 +885,28 @@ TEST_CASE("fused clipping equals PyTorch's recipe: unscale_, then clip_grad_norm
   }
 }
 
-TEST_CASE("grads_from: model gradients unscaled into master gradients in one pass") {
+TEST_CASE("the Trainer's grads_from: model gradients unscaled into master gradients in one pass") {
   torch::manual_seed(5);
   auto model_param = torch::randn({64, 33}).to(torch::kBFloat16).requires_grad_();
   model_param.mutable_grad() = (torch::randn({64, 33}) * 256).to(torch::kBFloat16);
   auto master = model_param.detach().to(torch::kFloat).requires_grad_();
   auto opt = sgd_over({master});
-  mp::GradScaler scaler(mp::GradScalerOptions().init_scale(256));
+  mp::detail::StepEngine scaler(/*allow_fp16=*/false);
+  scaler.use_scale(256);
   (void)scaler.scale(torch::zeros({}));
-  scaler.unscale_(opt, mp::UnscaleOptions().grads_from({model_param}));
+  scaler.unscale_planned(opt, mp::detail::UnscalePlan().grads_from({model_param}));
   CHECK(master.grad().scalar_type() == torch::kFloat);
   CHECK(master.grad().equal(model_param.grad().to(torch::kFloat) / 256));
 
   SUBCASE("mismatched lists are refused before anything changes") {
-    mp::GradScaler s2(mp::GradScalerOptions().init_scale(256));
+    mp::detail::StepEngine s2(/*allow_fp16=*/false);
+    s2.use_scale(256);
     (void)s2.scale(torch::zeros({}));
     auto other = torch::zeros({3}, torch::requires_grad());
     other.mutable_grad() = torch::ones({3});
-    CHECK_THROWS_WITH_AS(s2.unscale_(opt, mp::UnscaleOptions().grads_from({model_param, other})),
+    CHECK_THROWS_WITH_AS(s2.unscale_planned(opt, mp::detail::UnscalePlan().grads_from({model_param, other})),
                          doctest::Contains("grads_from has 2"), mp::Error);
-    CHECK_THROWS_WITH_AS(s2.unscale_(opt, mp::UnscaleOptions().grads_from({other})),
+    CHECK_THROWS_WITH_AS(s2.unscale_planned(opt, mp::detail::UnscalePlan().grads_from({other})),
                          doctest::Contains("shape"), mp::Error);
   }
 }

@@ -635,6 +635,132 @@ TEST_CASE("a StaticScaler policy trains bit-identically to the unscaled one and 
 
 namespace {
 
+// A scaler written against the LossScaler concept alone, as a user would: a fixed scale that
+// halves at each overflow, its state in two keys. Nothing of mixprec's scalers is reused.
+struct HalvingScaler {
+  double scale = 1024.0;
+  std::int64_t overflows = 0;
+  double get_scale() const { return scale; }
+  void update_scale(bool found_inf) {
+    if (!found_inf) return;
+    scale /= 2;
+    ++overflows;
+  }
+  c10::impl::GenericDict state_dict() const {
+    c10::impl::GenericDict dict(c10::StringType::get(), c10::AnyType::get());
+    dict.insert("scale", scale);
+    dict.insert("overflows", overflows);
+    return dict;
+  }
+  void load_state_dict(const c10::impl::GenericDict& dict) {
+    MIXPREC_CHECK(dict.contains("scale") && dict.contains("overflows"), "HalvingScaler's state "
+                  "needs 'scale' and 'overflows'");
+    scale = dict.at("scale").toDouble();
+    overflows = dict.at("overflows").toInt();
+  }
+};
+static_assert(mp::LossScaler<HalvingScaler>);
+
+struct HalvingO2 : mp::MixedO2<at::BFloat16> {
+  static constexpr std::string_view name = "HalvingO2";
+  using scaler_type = HalvingScaler;
+};
+
+}  // namespace
+
+TEST_CASE("a user-written LossScaler: trains as StaticScaler does, halves on overflow, checkpoints") {
+  const Task task;
+  torch::manual_seed(0);
+  auto user_net = std::make_shared<Net>();
+  torch::manual_seed(0);
+  auto static_net = std::make_shared<Net>();
+  torch::optim::Adam user_adam(user_net->parameters(), torch::optim::AdamOptions(1e-2));
+  torch::optim::Adam static_adam(static_net->parameters(), torch::optim::AdamOptions(1e-2));
+  mp::Trainer<HalvingO2> user(user_net, user_adam, mp::TrainerOptions().max_grad_norm(1.0));
+  mp::Trainer<StaticO2> fixed(static_net, static_adam, mp::TrainerOptions().max_grad_norm(1.0).scaler(
+                                                            mp::GradScalerOptions().init_scale(1024)));
+  auto step_both = [&](int i, float factor) {
+    const auto x = task.x.slice(0, i * 32, i * 32 + 32), y = task.y.slice(0, i * 32, i * 32 + 32);
+    torch::manual_seed(100 + static_cast<std::uint64_t>(i));  // the same dropout masks
+    const auto a = user.step([&] { return loss_of(user, user_net, x, y)() * factor; });
+    torch::manual_seed(100 + static_cast<std::uint64_t>(i));
+    const auto b = fixed.step([&] { return loss_of(fixed, static_net, x, y)() * factor; });
+    CHECK(a.status == b.status);
+    return a;
+  };
+  for (int i = 0; i < 3; ++i) CHECK(step_both(i, 1.0F).scale == 1024.0);
+  CHECK(test::identical(user_net->parameters(), static_net->parameters()));
+  CHECK(test::identical(user.master_weights(), fixed.master_weights()));
+  // An overflow: both skip; this scaler halves, the static one keeps its scale.
+  const auto before = test::snapshot(user_net->parameters());
+  CHECK(step_both(3, std::numeric_limits<float>::infinity()).status == mp::StepStatus::skipped);
+  CHECK(test::identical(test::snapshot(user_net->parameters()), before));
+  CHECK(user.scaler().get_scale() == 512.0);
+  CHECK(user.scaler().overflows == 1);
+  CHECK(user.stats().scale == 512.0);
+  CHECK(user.stats().skipped_steps == 1);
+  // At 512 (a power of two, exact in bf16) it still trains as the fixed scale does.
+  const auto report = step_both(4, 1.0F);
+  CHECK(report.scale == 512.0);
+  CHECK(test::identical(user_net->parameters(), static_net->parameters()));
+  // Its state goes into the checkpoint and back.
+  const auto path = test::temp_path("halving_scaler.ckpt");
+  user.save(path);
+  torch::manual_seed(1);
+  auto other_net = std::make_shared<Net>();
+  torch::optim::Adam other_adam(other_net->parameters(), torch::optim::AdamOptions(1e-2));
+  mp::Trainer<HalvingO2> other(other_net, other_adam, mp::TrainerOptions().max_grad_norm(1.0));
+  other.load(path);
+  CHECK(other.scaler().get_scale() == 512.0);
+  CHECK(other.scaler().overflows == 1);
+  CHECK(test::identical(other.master_weights(), user.master_weights()));
+
+  SUBCASE("a scale that is not a positive normal fp32 value: an Error, before the forward pass") {
+    for (const double bad : {0.0, -2.0, static_cast<double>(std::numeric_limits<float>::infinity()),
+                             1e-45, 1e40}) {
+      CAPTURE(bad);
+      user.scaler().scale = bad;
+      const auto params = test::snapshot(user_net->parameters());
+      const auto buffers = test::snapshot(user_net->buffers());
+      const auto stats = user.stats();
+      bool ran = false;
+      CHECK_THROWS_WITH_AS(user.step([&] {
+                             ran = true;
+                             return loss_of(user, user_net, task.x, task.y)();
+                           }),
+                           doctest::Contains("the scaler's get_scale() must be a positive normal"),
+                           mp::Error);
+      CHECK_FALSE(ran);
+      CHECK(test::identical(test::snapshot(user_net->parameters()), params));
+      CHECK(test::identical(test::snapshot(user_net->buffers()), buffers));
+      CHECK(user.stats().steps == stats.steps);
+    }
+    user.scaler().scale = 256.0;  // usable again
+    CHECK(user.step(loss_of(user, user_net, task.x, task.y)).scale == 256.0);
+  }
+  SUBCASE("a scale changed between the micro-batches of one step: an Error") {
+    auto fresh_net = std::make_shared<Net>();
+    torch::optim::Adam fresh_adam(fresh_net->parameters(), torch::optim::AdamOptions(1e-2));
+    mp::Trainer<HalvingO2> accumulating(fresh_net, fresh_adam,
+                                        mp::TrainerOptions().accumulation_steps(2));
+    CHECK(accumulating.step(loss_of(accumulating, fresh_net, task.x, task.y)).status ==
+          mp::StepStatus::accumulating);
+    accumulating.scaler().scale = 64.0;
+    CHECK_THROWS_WITH_AS(accumulating.step(loss_of(accumulating, fresh_net, task.x, task.y)),
+                         doctest::Contains("between micro-batches of one step"), mp::Error);
+  }
+  SUBCASE("TrainerOptions::scaler for a scaler that takes no GradScalerOptions: an Error") {
+    auto fresh_net = std::make_shared<Net>();
+    torch::optim::Adam fresh_adam(fresh_net->parameters(), torch::optim::AdamOptions(1e-2));
+    CHECK_THROWS_WITH_AS(mp::Trainer<HalvingO2>(fresh_net, fresh_adam,
+                                                mp::TrainerOptions().scaler(mp::GradScalerOptions())),
+                         doctest::Contains("has no constructor taking GradScalerOptions"),
+                         mp::Error);
+  }
+}
+
+namespace {
+
 using test::Branchy;
 
 // Trains 4 steps with head b in step 0 only; checks after each later step that b did not move

@@ -10,10 +10,6 @@
 #include <string_view>
 #include <type_traits>
 
-namespace torch::optim {
-class Optimizer;
-}  // namespace torch::optim
-
 namespace mixprec {
 namespace detail {
 
@@ -84,20 +80,28 @@ struct PolicyCheck {
 template <class P>
 inline constexpr bool require_policy = detail::PolicyCheck<P>::value;
 
-/// A loss scaler: the interface shared by GradScaler, StaticScaler and NoScaler.
+/// A loss scaler, as the Trainer uses it: exactly the calls a Trainer<P> makes on its
+/// `P::scaler_type`. The scaler chooses the scale; the Trainer multiplies the loss by it, unscales,
+/// checks for inf/NaN (agreed across ranks), clips and steps or skips, then reports whether the
+/// gradients held inf/NaN. The state dict goes into the Trainer's checkpoints.
+///   get_scale()             the scale to use for the next step: a positive normal fp32 value
+///                           (anything else is an Error at that step, before anything changes)
+///   update_scale(found_inf) after each optimizer step or skip: found_inf is true when the
+///                           step was skipped for inf/NaN gradients (or loss)
+///   state_dict()            the scaler's state, as a dict of IValues
+///   load_state_dict(dict)   restores it; throw (mixprec::Error) on a dict it cannot take, and
+///                           change nothing then
+/// The Trainer default-constructs it, or constructs it from TrainerOptions::scaler's
+/// GradScalerOptions where that is set (which needs a constructor taking them). GradScaler,
+/// StaticScaler and NoScaler satisfy it and add PyTorch's GradScaler API for your own loops.
 template <class S>
-concept LossScaler = requires(S& scaler, const S& const_scaler, const at::Tensor& loss,
-                              torch::optim::Optimizer& optimizer,
+concept LossScaler = std::movable<S> &&
+                     requires(S& scaler, const S& const_scaler, bool found_inf,
                               const c10::impl::GenericDict& state) {
-  { scaler.scale(loss) } -> std::same_as<at::Tensor>;
-  scaler.unscale_(optimizer);
-  { scaler.step(optimizer) } -> std::same_as<bool>;
-  scaler.update();
-  scaler.update(1.0);
   { const_scaler.get_scale() } -> std::convertible_to<double>;
+  scaler.update_scale(found_inf);
   { const_scaler.state_dict() } -> std::same_as<c10::impl::GenericDict>;
   scaler.load_state_dict(state);
-  { const_scaler.is_enabled() } -> std::convertible_to<bool>;
 };
 
 }  // namespace mixprec

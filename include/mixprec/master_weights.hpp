@@ -252,7 +252,7 @@ class MasterWeights {
   }
 
   /// For each parameter the optimizer holds, in its order, the model tensor whose gradient
-  /// feeds it: UnscaleOptions::grads_from.
+  /// feeds it: the Trainer unscales from them (detail::UnscalePlan::grads_from).
   const std::vector<at::Tensor>& grad_sources() const noexcept { return sources_; }
 
   /// Adds the model's gradients into the masters' fp32 gradients and sets the model's to none,

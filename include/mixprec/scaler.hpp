@@ -1,7 +1,9 @@
 #pragma once
-/// Loss scalers with one interface (the LossScaler concept): GradScaler (dynamic, PyTorch's
-/// algorithm and state_dict), StaticScaler (a fixed scale) and NoScaler (scale 1). All three skip
-/// an optimizer step whose gradients hold inf or NaN, so a bad step never reaches the weights.
+/// Loss scalers: GradScaler (dynamic, PyTorch's algorithm and state_dict), StaticScaler (a fixed
+/// scale) and NoScaler (scale 1). In your own loop they have PyTorch's GradScaler API, and all
+/// three skip an optimizer step whose gradients hold inf or NaN, so a bad step never reaches the
+/// weights. Under a Trainer a scaler only chooses the scale (the LossScaler concept); the
+/// Trainer's step unscales, checks, clips and skips itself (detail::StepEngine).
 ///
 ///   mixprec::GradScaler scaler;                       // init_scale 65536, growth every 2000 steps
 ///   for (auto& batch : loader) {
@@ -62,6 +64,14 @@ struct GradScalerOptions {
 struct UnscaleOptions {
   /// Clip the unscaled gradients to this total L2 norm, fused into the unscale pass.
   TORCH_ARG(std::optional<double>, max_grad_norm) = std::nullopt;
+};
+
+namespace detail {
+
+/// What the Trainer's step asks of the gradient passes beyond UnscaleOptions.
+struct UnscalePlan {
+  /// Clip the unscaled gradients to this total L2 norm, fused into the unscale pass.
+  TORCH_ARG(std::optional<double>, max_grad_norm) = std::nullopt;
   /// Read each gradient from these parameters' .grad() (same order as the optimizer's
   /// parameters) and write it, unscaled, into the optimizer's; for fp32 master weights.
   TORCH_ARG(std::vector<at::Tensor>, grads_from) = {};
@@ -70,17 +80,15 @@ struct UnscaleOptions {
   TORCH_ARG(at::Tensor, also_check) = {};
   /// Called with the one-element fp32 inf flag (non-zero: inf/NaN) once the local checks are
   /// done, before the step-or-skip decision reads it: data-parallel training MAX-reduces it
-  /// across ranks (DataParallel::agree), so that every rank steps or skips alike.
+  /// across ranks, so that every rank steps or skips alike.
   TORCH_ARG(std::function<void(at::Tensor&)>, agree) = nullptr;
 };
 
-/// What ScalerCore::step_fused did.
+/// What StepEngine::step_fused did.
 struct FusedStepResult {
   bool stepped = false;                ///< false: inf/NaN, the optimizer step was skipped
   std::optional<double> grad_norm;     ///< the total unscaled gradient norm, when clipping
 };
-
-namespace detail {
 
 enum class Stage { ready, unscaled, stepped };
 
@@ -183,6 +191,56 @@ class ScalerCore {
 
   /// unscale_ with options; returns the total gradient norm (unscaled) when clipping.
   std::optional<double> unscale_(torch::optim::Optimizer& optimizer, const UnscaleOptions& options) {
+    return unscale_planned(optimizer, UnscalePlan().max_grad_norm(options.max_grad_norm()));
+  }
+
+  /// Unscales if not done yet, then steps the optimizer unless its gradients hold inf or NaN.
+  /// Returns whether it stepped. On a device this is the iteration's one host synchronisation
+  /// (with clipping, the norm's read has taken its place).
+  bool step(torch::optim::Optimizer& optimizer) {
+    auto& entry = entries_[&optimizer];
+    MIXPREC_CHECK(entry.stage != Stage::stepped,
+                  "step() has already been called since the last update()");
+    if (entry.stage == Stage::ready) unscale_(optimizer);
+    if (!entry.found_inf.defined()) {
+      entry.stage = Stage::ready;  // nothing was unscaled: the iteration can still go on
+      detail::fail("step() found no gradients in this optimizer: call backward() on "
+                   "scaler.scale(loss) before step()");
+    }
+    const bool finite = !found_of(entry);
+    if (finite) {
+      optimizer.step();
+    } else {
+      ++skipped_steps_;
+    }
+    entry.stage = Stage::stepped;
+    return finite;
+  }
+
+  /// The current scale (1 for NoScaler). The scale is kept on the host and copied to the
+  /// loss's device, so reading it never waits for the device.
+  double get_scale() const { return scaling_ ? static_cast<double>(host_scale_) : 1.0; }
+
+  /// Optimizer steps that this scaler's step() skipped because of inf or NaN, since
+  /// construction (in your own loop; a Trainer's skipped steps are in Trainer::stats()).
+  std::int64_t skipped_steps() const noexcept { return skipped_steps_; }
+
+  /// Forgets this iteration's unscale_/step records without touching the scale, e.g. after an
+  /// error between backward() and update() in your own loop.
+  void reset_stages() noexcept { entries_.clear(); }
+
+  // A copy would share the scale tensor with the original: move only.
+  ScalerCore(const ScalerCore&) = delete;
+  ScalerCore& operator=(const ScalerCore&) = delete;
+  ScalerCore(ScalerCore&&) noexcept = default;
+  ScalerCore& operator=(ScalerCore&&) noexcept = default;
+
+ protected:
+  ScalerCore(float init_scale, bool scaling, bool allow_fp16)
+      : host_scale_(init_scale), scaling_(scaling), allow_fp16_(allow_fp16) {}
+
+  std::optional<double> unscale_planned(torch::optim::Optimizer& optimizer,
+                                        const UnscalePlan& options) {
     auto& entry = entries_[&optimizer];
     MIXPREC_CHECK(entry.stage != Stage::unscaled,
                   "unscale_() has already been called on this optimizer since the last update()");
@@ -210,29 +268,6 @@ class ScalerCore {
     return norm;
   }
 
-  /// Unscales if not done yet, then steps the optimizer unless its gradients hold inf or NaN.
-  /// Returns whether it stepped. On a device this is the iteration's one host synchronisation
-  /// (with clipping, the norm's read has taken its place).
-  bool step(torch::optim::Optimizer& optimizer) {
-    auto& entry = entries_[&optimizer];
-    MIXPREC_CHECK(entry.stage != Stage::stepped,
-                  "step() has already been called since the last update()");
-    if (entry.stage == Stage::ready) unscale_(optimizer);
-    if (!entry.found_inf.defined()) {
-      entry.stage = Stage::ready;  // nothing was unscaled: the iteration can still go on
-      detail::fail("step() found no gradients in this optimizer: call backward() on "
-                   "scaler.scale(loss) before step()");
-    }
-    const bool finite = !found_of(entry);
-    if (finite) {
-      optimizer.step();
-    } else {
-      ++skipped_steps_;
-    }
-    entry.stage = Stage::stepped;
-    return finite;
-  }
-
   /// unscale_ and step in one, for an optimizer whose own step divides the gradients, such as
   /// mixprec::fused_adam_step: the gradients are checked for inf/NaN (under master weights,
   /// copied from grads_from first) but not divided; unless they hold inf/NaN,
@@ -240,7 +275,7 @@ class ScalerCore {
   /// apply: the scale, divided by the clip coefficient when clipping; undefined when that is 1.
   /// update() follows as usual. One host synchronisation, on the inf flag.
   template <class FusedStep>
-  FusedStepResult step_fused(torch::optim::Optimizer& optimizer, const UnscaleOptions& options,
+  FusedStepResult step_fused(torch::optim::Optimizer& optimizer, const UnscalePlan& options,
                              FusedStep&& fused_step) {
     auto& entry = entries_[&optimizer];
     MIXPREC_CHECK(entry.stage == Stage::ready, "step_fused() unscales inside the optimizer's "
@@ -299,27 +334,6 @@ class ScalerCore {
     return result;
   }
 
-  /// The current scale (1 for NoScaler). The scale is kept on the host and copied to the
-  /// loss's device, so reading it never waits for the device.
-  double get_scale() const { return scaling_ ? static_cast<double>(host_scale_) : 1.0; }
-
-  /// Optimizer steps skipped because of inf or NaN, since construction.
-  std::int64_t skipped_steps() const noexcept { return skipped_steps_; }
-
-  /// Forgets this iteration's unscale_/step records without touching the scale, e.g. after an
-  /// error between backward() and update().
-  void reset_stages() noexcept { entries_.clear(); }
-
-  // A copy would share the scale tensor with the original: move only.
-  ScalerCore(const ScalerCore&) = delete;
-  ScalerCore& operator=(const ScalerCore&) = delete;
-  ScalerCore(ScalerCore&&) noexcept = default;
-  ScalerCore& operator=(ScalerCore&&) noexcept = default;
-
- protected:
-  ScalerCore(float init_scale, bool scaling, bool allow_fp16)
-      : host_scale_(init_scale), scaling_(scaling), allow_fp16_(allow_fp16) {}
-
   void set_scale(float scale) {
     if (scale_.defined()) scale_.fill_(scale);  // a host value: no synchronisation
     host_scale_ = scale;
@@ -354,7 +368,7 @@ class ScalerCore {
     std::optional<bool> found_host;  // found_inf on the host, once known
   };
 
-  void check_unscale_call(const UnscaleOptions& options) const {
+  void check_unscale_call(const UnscalePlan& options) const {
     MIXPREC_CHECK(!scaling_ || scale_.defined(),
                   "unscale_() before scale(loss): the gradients were never scaled; call "
                   "scaler.scale(loss).backward() first");
@@ -365,15 +379,15 @@ class ScalerCore {
   }
 
   // The flag as every rank sees it, with what the host knew already folded in.
-  static void agree(const UnscaleOptions& options, Entry& entry) {
+  static void agree(const UnscalePlan& options, Entry& entry) {
     if (!options.agree()) return;
     if (entry.found_host.value_or(false)) entry.found_inf.fill_(1.0);
     options.agree()(entry.found_inf);
     entry.found_host.reset();
   }
 
-  // Ors the inf/NaN of UnscaleOptions::also_check (e.g. the loss) into found_inf, on the device.
-  static void check_also(const UnscaleOptions& options, at::Tensor& found_inf) {
+  // Ors the inf/NaN of UnscalePlan::also_check (e.g. the loss) into found_inf, on the device.
+  static void check_also(const UnscalePlan& options, at::Tensor& found_inf) {
     if (!options.also_check().defined()) return;
     found_inf.add_(at::isfinite(options.also_check()).logical_not().any().to(found_inf.options()))
         .clamp_max_(1.0);
@@ -395,7 +409,7 @@ class ScalerCore {
       }
     }
     MIXPREC_CHECK(grads_from.empty() || grads_from.size() == params.size(),
-                  "UnscaleOptions::grads_from has ", grads_from.size(),
+                  "grads_from has ", grads_from.size(),
                   " tensors but the optimizer has ", params.size(), " parameters");
     const bool in_place = grads_from.empty();
     std::unordered_map<const void*, std::size_t> first;  // a tensor's first index in params
@@ -408,7 +422,7 @@ class ScalerCore {
                       " is in param groups ", group_of[j], " and ", group_of[i], " of the "
                       "optimizer (PyTorch refuses this too): put each tensor in one group");
         MIXPREC_CHECK(in_place || grads_from[i].is_same(grads_from[j]),
-                      "UnscaleOptions::grads_from[", j, "] and grads_from[", i, "] differ, but "
+                      "grads_from[", j, "] and grads_from[", i, "] differ, but "
                       "both are for the same optimizer tensor (listed twice): repeat its source");
         continue;
       }
@@ -432,7 +446,7 @@ class ScalerCore {
       } else {
         MIXPREC_CHECK(!grad.is_sparse(), "sparse gradients cannot be copied into master "
                       "weights; use a dense embedding (sparse=false) with MixedO2");
-        MIXPREC_CHECK(grad.sizes() == params[i].sizes(), "UnscaleOptions::grads_from[", i,
+        MIXPREC_CHECK(grad.sizes() == params[i].sizes(), "grads_from[", i,
                       "] has shape ", grad.sizes(), " but the optimizer's parameter has shape ",
                       params[i].sizes());
       }
@@ -460,7 +474,7 @@ class ScalerCore {
 
   // The gradient passes: (norm and finiteness) when clipping, then one scale pass. Sets `known`
   // where found_inf is known on the host without reading it back.
-  std::optional<double> run_passes(std::vector<GradPair>& pairs, const UnscaleOptions& options,
+  std::optional<double> run_passes(std::vector<GradPair>& pairs, const UnscalePlan& options,
                                    at::Tensor& found_inf, std::optional<bool>& known) {
     if (!options.max_grad_norm()) {
       const bool in_place_identity = !scaling_ &&
@@ -497,7 +511,7 @@ class ScalerCore {
                     : 1.0;
   }
 
-  static double clip_coefficient(double norm, const UnscaleOptions& options) {
+  static double clip_coefficient(double norm, const UnscalePlan& options) {
     return std::min(1.0, *options.max_grad_norm() / (norm + 1e-6));
   }
 
@@ -513,6 +527,30 @@ class ScalerCore {
   }
 
   std::unordered_map<const torch::optim::Optimizer*, Entry> entries_;
+};
+
+/// The gradient passes of a Trainer's step: scale the loss, then unscale, check, clip, agree
+/// across ranks and step or skip, with the scale of the policy's LossScaler, which chooses the
+/// scale and nothing else. Move only, as the scalers.
+class StepEngine final : public ScalerCore {
+ public:
+  /// allow_fp16: unscale fp16 gradients in place (a policy that casts the model without masters).
+  explicit StepEngine(bool allow_fp16) : ScalerCore(1.0F, false, allow_fp16) {}
+
+  /// Uses `scale` (the scaler's get_scale()) from now on; scale 1 multiplies and divides
+  /// nothing. An Error, before anything changes, unless it is a positive normal fp32 value.
+  void use_scale(double value) {
+    const auto scale = checked_scale(value, "the scaler's get_scale()");
+    if (scale == host_scale_ && scaling_ == (scale != 1.0F)) return;
+    scaling_ = scale != 1.0F;
+    set_scale(scale);
+  }
+
+  using ScalerCore::scale;
+  using ScalerCore::step;
+  using ScalerCore::step_fused;
+  using ScalerCore::unscale_planned;
+  using ScalerCore::reset_stages;
 };
 
 /// A number of a state dict: Python saves whole-valued floats as ints in hand-written dicts.
@@ -552,12 +590,15 @@ class GradScaler : public detail::ScalerCore {
   void update() {
     const bool found_inf = take_found_inf("update()");
     if (!options_.enabled()) return;
-    detail::ScaleState state{host_scale_, static_cast<std::int32_t>(growth_tracker_),
-                             hysteresis_tracker_};
-    state = detail::next_scale(state, found_inf, options_);
-    set_scale(state.scale);
-    growth_tracker_ = state.growth_tracker;
-    hysteresis_tracker_ = state.hysteresis_tracker;
+    advance(found_inf);
+  }
+
+  /// The LossScaler step, as a Trainer calls it: advances the scale as update() does, from
+  /// `found_inf` (this iteration's gradients held inf or NaN) instead of this scaler's records.
+  void update_scale(bool found_inf) {
+    reset_stages();
+    if (!options_.enabled()) return;
+    advance(found_inf);
   }
 
   /// Sets the scale (a normal fp32 value within [min_scale, max_scale]); leaves the growth
@@ -630,6 +671,15 @@ class GradScaler : public detail::ScalerCore {
   }
 
  private:
+  void advance(bool found_inf) {
+    detail::ScaleState state{host_scale_, static_cast<std::int32_t>(growth_tracker_),
+                             hysteresis_tracker_};
+    state = detail::next_scale(state, found_inf, options_);
+    set_scale(state.scale);
+    growth_tracker_ = state.growth_tracker;
+    hysteresis_tracker_ = state.hysteresis_tracker;
+  }
+
   GradScalerOptions options_;
   std::int64_t growth_tracker_;
   std::int64_t hysteresis_tracker_;
@@ -647,6 +697,8 @@ class StaticScaler : public detail::ScalerCore {
 
   /// Ends the iteration; the scale stays.
   void update() { (void)take_found_inf("update()"); }
+  /// The LossScaler step: the scale stays.
+  void update_scale(bool /*found_inf*/) { reset_stages(); }
 
   /// Sets the scale (a normal fp32 value).
   void update(double new_scale) {
@@ -693,6 +745,8 @@ class NoScaler : public detail::ScalerCore {
   explicit NoScaler(const GradScalerOptions&) : NoScaler() {}
 
   void update() { (void)take_found_inf("update()"); }
+  /// The LossScaler step: the scale stays 1.
+  void update_scale(bool /*found_inf*/) { reset_stages(); }
   void update(double new_scale) {
     MIXPREC_CHECK(false, "NoScaler has no scale to set (got update(", new_scale,
                   ")); use StaticScaler or GradScaler");

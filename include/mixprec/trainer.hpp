@@ -183,13 +183,7 @@ inline at::Tensor derived_rng_state(const at::Tensor& rank0_state, int rank) {
   return at::make_generator<at::CPUGeneratorImpl>(z).get_state();
 }
 
-/// Scalers that can fold their unscale into the optimizer's step (the built-in ones).
-template <class S>
-concept FusedStepScaler = requires(S& scaler, torch::optim::Optimizer& optimizer,
-                                   const UnscaleOptions& options) {
-  scaler.step_fused(optimizer, options, [](const at::Tensor&) {});
-};
-
+// The policy's scaler: from TrainerOptions::scaler where that is set, else default-constructed.
 template <class P>
 typename P::scaler_type make_scaler(const TrainerOptions& options) {
   using Scaler = typename P::scaler_type;
@@ -198,11 +192,15 @@ typename P::scaler_type make_scaler(const TrainerOptions& options) {
                   " does not scale the loss (its scaler_type is NoScaler); derive a policy "
                   "with `using scaler_type = mixprec::GradScaler;` to use one");
     return Scaler();
+  } else if constexpr (std::is_constructible_v<Scaler, const GradScalerOptions&>) {
+    return Scaler(options.scaler().value_or(GradScalerOptions()));
   } else {
-    auto scaler_options = options.scaler().value_or(GradScalerOptions());
-    // Without masters, a policy that casts the model has fp16 gradients to unscale in place.
-    if (P::cast_model && !P::master_weights) scaler_options.allow_fp16_grads(true);
-    return Scaler(scaler_options);
+    static_assert(std::is_default_constructible_v<Scaler>, "mixprec: the policy's scaler_type "
+                  "needs a default constructor or one taking mixprec::GradScalerOptions");
+    MIXPREC_CHECK(!options.scaler(), "TrainerOptions::scaler is set but ", P::name, "'s "
+                  "scaler_type has no constructor taking GradScalerOptions: configure it in its "
+                  "default constructor, or give it one");
+    return Scaler();
   }
 }
 
@@ -336,7 +334,9 @@ template <class P>
 class Trainer {
   static_assert(require_policy<P>);
   static_assert(LossScaler<typename P::scaler_type>,
-                "mixprec: the policy's scaler_type must satisfy mixprec::LossScaler");
+                "mixprec: the policy's scaler_type must satisfy mixprec::LossScaler: "
+                "get_scale(), update_scale(bool found_inf), state_dict() and "
+                "load_state_dict(dict), movable (mixprec/concepts.hpp)");
 
  public:
   using policy = P;
@@ -390,9 +390,6 @@ class Trainer {
                     "->to(torch::kCPU) or ->to(torch::kCUDA)");
     }
     if (options_.fused_optimizer()) {
-      MIXPREC_CHECK(detail::FusedStepScaler<scaler_type>, "TrainerOptions::fused_optimizer needs "
-                    "a scaler with step_fused() (GradScaler, StaticScaler, NoScaler); ", P::name,
-                    "'s scaler_type has none");
       check_fused_adam(optimizer);
       MIXPREC_CHECK(!P::cast_model || P::master_weights, "TrainerOptions::fused_optimizer: ",
                     P::name, " keeps the optimizer's parameters in ", c10::toString(P::low_dtype),
@@ -445,6 +442,16 @@ class Trainer {
     check_not_busy("step");
     const Busy busy(busy_, "step()'s loss_fn");
     ++calls_;  // first: a call that throws counts too (see agree_across_ranks)
+    // The scaler's scale for this step, checked before anything changes (the forward pass
+    // included); the micro-batches of one step share it, as their gradients add up.
+    if (pending_ == 0) {
+      engine_.use_scale(scaler_.get_scale());
+    } else {
+      MIXPREC_CHECK(static_cast<double>(scaler_.get_scale()) == engine_.get_scale(), "the "
+                    "scaler's scale changed from ", engine_.get_scale(), " to ",
+                    scaler_.get_scale(), " between micro-batches of one step: set it between "
+                    "optimizer steps");
+    }
     // Comparing the groups' sizes is cheap; a group added since is adopted before the forward
     // pass, which must already see its tensors cast.
     if (!detail::same_group_sizes(*optimizer_, group_sizes_)) adopt_param_groups();
@@ -475,7 +482,7 @@ class Trainer {
     const auto n = options_.accumulation_steps();
     const auto to_backprop = n > 1 ? loss32 / static_cast<double>(n) : loss32;
     StepReport report;
-    report.scale = scaler_.get_scale();
+    report.scale = engine_.get_scale();
     report.non_finite_op = std::move(non_finite_op);
     // Data parallel: gradients travel during the backward pass of the last micro-batch only.
     const bool reduce = data_parallel_ && pending_ + 1 == n;
@@ -483,7 +490,7 @@ class Trainer {
       if (reduce && trainable_changed()) bind_data_parallel();
       data_parallel_->prepare(reduce);
     }
-    scaler_.scale(to_backprop).backward();
+    engine_.scale(to_backprop).backward();
     // The averages land in the holders' gradients: under MixedO2 the fp32 masters', which
     // then hold the accumulated micro-batches too.
     if (reduce) data_parallel_->finish();
@@ -503,7 +510,7 @@ class Trainer {
       report.gradient_stats = gradient_stats(stats_.steps + 1, report.scale);
       stats_.gradient_stats = report.gradient_stats;
     }
-    UnscaleOptions unscale;
+    detail::UnscalePlan unscale;
     unscale.max_grad_norm(options_.max_grad_norm());
     if (masters_ && n == 1 && !data_parallel_) {
       unscale.grads_from(masters_->grad_sources());  // else in place
@@ -518,26 +525,22 @@ class Trainer {
     loss_sum_ = at::Tensor();
     bool stepped = false;
     try {
-      bool fused = false;
-      if constexpr (detail::FusedStepScaler<scaler_type>) {
-        if (options_.fused_optimizer()) {
-          const auto result = scaler_.step_fused(*optimizer_, unscale, [this](const at::Tensor& scale) {
-            fused_adam_step(*optimizer_, scale);
-          });
-          report.grad_norm = result.grad_norm;
-          stepped = result.stepped;
-          fused = true;
-        }
+      if (options_.fused_optimizer()) {
+        const auto result = engine_.step_fused(*optimizer_, unscale, [this](const at::Tensor& scale) {
+          fused_adam_step(*optimizer_, scale);
+        });
+        report.grad_norm = result.grad_norm;
+        stepped = result.stepped;
+      } else {
+        report.grad_norm = engine_.unscale_planned(*optimizer_, unscale);
+        stepped = engine_.step(*optimizer_);
       }
-      if (!fused) {
-        report.grad_norm = scaler_.unscale_(*optimizer_, unscale);
-        stepped = scaler_.step(*optimizer_);
-      }
-      scaler_.update();
     } catch (...) {
-      scaler_.reset_stages();  // leave the scaler usable for the next step
+      engine_.reset_stages();  // leave the step usable for the next one
       throw;
     }
+    engine_.reset_stages();
+    scaler_.update_scale(/*found_inf=*/!stepped);
     if (stepped) {
       if (masters_) masters_->copy_to_model();
       // The weights changed: casts cached by an enclosing autocast scope are stale now.
@@ -1316,6 +1319,9 @@ class Trainer {
   torch::optim::Optimizer* optimizer_;
   TrainerOptions options_;
   scaler_type scaler_;
+  // The gradient passes, with the scaler's scale; fp16 gradients in place where the model is
+  // cast without masters (PureHalf<Half>).
+  detail::StepEngine engine_{P::cast_model && !P::master_weights};
   std::optional<MasterWeights> masters_;
   std::vector<c10::DeviceType> device_types_;  // of the parameters: autocast engages on each
   TrainerStats stats_;

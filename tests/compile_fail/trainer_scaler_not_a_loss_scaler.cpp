@@ -2,7 +2,7 @@
 // expect: the policy's scaler_type must satisfy mixprec::LossScaler
 #include <mixprec/trainer.hpp>
 
-// Has scale() and step() but neither unscale_(), update() nor a state dict.
+// Has scale() and step(), PyTorch's loop API, but none of the calls a Trainer makes.
 struct HalfAScaler {
   explicit HalfAScaler(const mixprec::GradScalerOptions& = {}) {}
   at::Tensor scale(const at::Tensor& loss) { return loss; }
