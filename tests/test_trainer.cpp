@@ -743,6 +743,14 @@ TEST_CASE("a user-written LossScaler: trains as StaticScaler does, halves on ove
     torch::optim::Adam fresh_adam(fresh_net->parameters(), torch::optim::AdamOptions(1e-2));
     mp::Trainer<HalvingO2> accumulating(fresh_net, fresh_adam,
                                         mp::TrainerOptions().accumulation_steps(2));
+    // A scale that fp32 rounds (1000.1 is 1000.0999755859375 there) is the same one at every
+    // micro-batch of a step.
+    accumulating.scaler().scale = 1000.1;
+    for (int k = 0; k < 2; ++k) {
+      CHECK(accumulating.step(loss_of(accumulating, fresh_net, task.x, task.y)).scale ==
+            static_cast<double>(static_cast<float>(1000.1)));
+    }
+    CHECK(accumulating.stats().steps == 1);
     CHECK(accumulating.step(loss_of(accumulating, fresh_net, task.x, task.y)).status ==
           mp::StepStatus::accumulating);
     accumulating.scaler().scale = 64.0;

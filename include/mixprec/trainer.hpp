@@ -447,7 +447,9 @@ class Trainer {
     if (pending_ == 0) {
       engine_.use_scale(scaler_.get_scale());
     } else {
-      MIXPREC_CHECK(static_cast<double>(scaler_.get_scale()) == engine_.get_scale(), "the "
+      // Compared as the fp32 values the step uses: a scale like 1000.1 is not an fp32 number.
+      MIXPREC_CHECK(static_cast<float>(scaler_.get_scale()) ==
+                        static_cast<float>(engine_.get_scale()), "the "
                     "scaler's scale changed from ", engine_.get_scale(), " to ",
                     scaler_.get_scale(), " between micro-batches of one step: set it between "
                     "optimizer steps");
