@@ -17,6 +17,7 @@
 #include <mixprec/capabilities.hpp>
 #include <mixprec/concepts.hpp>
 #include <mixprec/compat.hpp>
+#include <mixprec/detail/rng_states.hpp>
 #include <mixprec/diagnostics.hpp>
 #include <mixprec/error.hpp>
 #include <mixprec/nn.hpp>
@@ -472,42 +473,19 @@ class AdviseStateGuard {
       grads_.emplace_back(p, p.grad().defined() ? p.grad().detach().clone() : at::Tensor());
     }
     for (auto& b : model.buffers()) buffers_.emplace_back(b, b.detach().clone());
-    {
-      auto generator = at::detail::getDefaultCPUGenerator();
-      std::lock_guard<std::mutex> lock(generator.mutex());
-      cpu_rng_ = generator.get_state();
-    }
-    if (torch::cuda::is_available()) {
-      const auto devices = static_cast<std::size_t>(torch::cuda::device_count());
-      for (std::size_t d = 0; d < devices; ++d) {
-        auto generator = at::globalContext().defaultGenerator(
-            at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(d)));
-        std::lock_guard<std::mutex> lock(generator.mutex());
-        cuda_rngs_.emplace_back(generator, generator.get_state());
-      }
-    }
   }
   ~AdviseStateGuard() {
     at::NoGradGuard no_grad;
     for (auto& [p, grad] : grads_) p.mutable_grad() = grad;
     for (auto& [b, value] : buffers_) b.copy_(value);
-    auto generator = at::detail::getDefaultCPUGenerator();
-    {
-      std::lock_guard<std::mutex> lock(generator.mutex());
-      generator.set_state(cpu_rng_);
-    }
-    for (auto& [cuda, state] : cuda_rngs_) {
-      std::lock_guard<std::mutex> lock(cuda.mutex());
-      cuda.set_state(state);
-    }
+    rngs_.restore();
   }
   AdviseStateGuard(const AdviseStateGuard&) = delete;
   AdviseStateGuard& operator=(const AdviseStateGuard&) = delete;
 
  private:
   std::vector<std::pair<at::Tensor, at::Tensor>> grads_, buffers_;
-  at::Tensor cpu_rng_;
-  std::vector<std::pair<at::Generator, at::Tensor>> cuda_rngs_;
+  RngStates rngs_ = RngStates::capture();
 };
 
 }  // namespace detail

@@ -13,6 +13,7 @@
 
 #include <mixprec/compat.hpp>
 #include <mixprec/detail/checkpoint_file.hpp>
+#include <mixprec/detail/tensor_set.hpp>
 #include <mixprec/error.hpp>
 
 #include <ATen/ATen.h>
@@ -32,7 +33,6 @@
 #include <memory>
 #include <mutex>
 #include <string>
-#include <unordered_set>
 #include <utility>
 #include <vector>
 
@@ -311,6 +311,26 @@ class DataParallel {
     });
   }
 
+  /// A step's agreement: MAX-reduces `found_inf` so that every rank steps or skips alike, and
+  /// checks in the same allreduce (MAX over [found_inf, calls, -calls]) that every rank is at
+  /// the same step() call. A rank that went on after its step() threw is one call ahead: its
+  /// gradients were averaged with the others' previous step, and every rank gets this Error
+  /// before anything steps.
+  void agree_step(at::Tensor& found_inf, std::int64_t calls) {
+    const auto mine = static_cast<double>(calls % (std::int64_t{1} << 24));  // exact in fp32
+    auto flags = at::cat({found_inf.reshape({1}).to(at::kFloat),
+                          at::tensor({mine, -mine}, at::kFloat).to(found_inf.device())});
+    agree(flags);
+    found_inf.copy_(flags.narrow(0, 0, 1).reshape(found_inf.sizes()));
+    const auto seen = flags.narrow(0, 1, 2).cpu();
+    const double most = seen[0].item<double>(), least = -seen[1].item<double>();
+    MIXPREC_CHECK(most == mine && least == mine, "rank ", rank(), ": the ranks are at "
+                  "different steps (this rank's step() call ", calls, "; the ranks' calls, "
+                  "modulo 2^24, range from ", least, " to ", most, "): a rank went on after its "
+                  "step() threw, so its gradients were averaged with another step's. Every rank "
+                  "must make the same Trainer calls; restart all ranks from the last checkpoint");
+  }
+
   /// Whether `local` is true on any rank.
   bool any(bool local) {
     auto flag = at::full({1}, local ? 1.0F : 0.0F, at::kFloat).to(device());
@@ -348,7 +368,7 @@ class DataParallel {
       for (const auto& p : model.parameters()) tensors.push_back(p);
     }
     for (const auto& b : model.buffers()) tensors.push_back(b);
-    tensors = unique(tensors);
+    tensors = detail::unique_tensors(tensors);
     // One flat tensor per dtype: Gloo broadcasts one tensor per call.
     std::vector<c10::ScalarType> dtypes;
     for (const auto& t : tensors) {
@@ -490,14 +510,6 @@ class DataParallel {
     return true;
   }
 
-  static std::vector<at::Tensor> unique(const std::vector<at::Tensor>& tensors) {
-    std::unordered_set<const void*> seen;
-    std::vector<at::Tensor> result;
-    for (const auto& t : tensors) {
-      if (seen.insert(t.unsafeGetTensorImpl()).second) result.push_back(t);
-    }
-    return result;
-  }
   static at::Tensor flatten(const std::vector<at::Tensor>& tensors) {
     std::vector<at::Tensor> flat;
     for (const auto& t : tensors) flat.push_back(t.detach().reshape({-1}));

@@ -15,6 +15,7 @@
 ///       model, optimizer, mixprec::TrainerOptions().fused_optimizer(true));
 
 #include <mixprec/compat.hpp>
+#include <mixprec/detail/tensor_set.hpp>
 #include <mixprec/error.hpp>
 
 #include <ATen/ATen.h>
@@ -31,7 +32,6 @@
 #include <tuple>
 #include <type_traits>
 #include <typeinfo>
-#include <unordered_set>
 #include <utility>
 #include <vector>
 
@@ -90,13 +90,13 @@ inline void check_state_tensor(const at::Tensor& state, const at::Tensor& p, con
 // Validates every parameter that has a gradient before anything changes.
 template <class Options, class State>
 void check_fused_params(const torch::optim::Optimizer& optimizer) {
-  std::unordered_set<const void*> seen;
+  const auto repeated = first_repeated(optimizer_tensors(optimizer));
+  MIXPREC_CHECK(!repeated.defined(), "fused_adam_step: a tensor of shape ", repeated.sizes(),
+                " is listed twice in the optimizer (tied weights listed once per name?) and "
+                "would be stepped twice: list each tensor once");
   for (const auto& group : optimizer.param_groups()) {
     const bool amsgrad = adam_hyper<Options>(group.options()).amsgrad;
     for (const auto& p : group.params()) {
-      MIXPREC_CHECK(seen.insert(p.unsafeGetTensorImpl()).second, "fused_adam_step: a tensor of "
-                    "shape ", p.sizes(), " is listed twice in the optimizer (tied weights listed "
-                    "once per name?) and would be stepped twice: list each tensor once");
       const auto& grad = p.grad();
       if (!grad.defined()) continue;
       MIXPREC_CHECK(p.scalar_type() == at::kFloat || p.scalar_type() == at::kDouble,

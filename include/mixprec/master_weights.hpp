@@ -4,6 +4,7 @@
 /// weight accumulate in the fp32 master, and the model gets the rounded result after each step.
 
 #include <mixprec/compat.hpp>
+#include <mixprec/detail/tensor_set.hpp>
 #include <mixprec/error.hpp>
 
 #include <ATen/ATen.h>
@@ -15,36 +16,15 @@
 #include <cstddef>
 #include <memory>
 #include <unordered_map>
-#include <unordered_set>
 #include <vector>
 
 namespace mixprec {
 
 namespace detail {
 
-/// Each tensor once, in first-seen order: LibTorch's Module::parameters() lists a module
-/// registered under two names (tied weights) once per name; Python de-duplicates.
-inline std::vector<at::Tensor> unique_tensors(const std::vector<at::Tensor>& tensors) {
-  std::unordered_set<const void*> seen;
-  std::vector<at::Tensor> result;
-  for (const auto& t : tensors) {
-    if (seen.insert(t.unsafeGetTensorImpl()).second) result.push_back(t);
-  }
-  return result;
-}
-
 /// Sets each tensor's gradient to none (PyTorch's zero_grad(set_to_none=True)).
 inline void clear_grads(const std::vector<at::Tensor>& tensors) {
   for (const auto& t : tensors) t.mutable_grad().reset();
-}
-
-/// The tensors of every param group, in order.
-inline std::vector<at::Tensor> optimizer_tensors(const torch::optim::Optimizer& optimizer) {
-  std::vector<at::Tensor> result;
-  for (const auto& group : optimizer.param_groups()) {
-    result.insert(result.end(), group.params().begin(), group.params().end());
-  }
-  return result;
 }
 
 /// The number of tensors in each param group: a cheap test for groups added since.
@@ -293,8 +273,7 @@ class MasterWeights {
 
   static void check_groups(const std::vector<at::Tensor>& model_params,
                            const torch::optim::Optimizer& optimizer, const MasterWeights* self) {
-    std::unordered_set<const void*> model;
-    for (const auto& p : model_params) model.insert(p.unsafeGetTensorImpl());
+    const auto model = detail::identities(model_params);
     std::unordered_map<const void*, std::size_t> group_of;
     const auto& groups = optimizer.param_groups();
     for (std::size_t g = 0; g < groups.size(); ++g) {

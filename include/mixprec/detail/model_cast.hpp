@@ -4,6 +4,7 @@
 // bf16/fp16 input with fp32 weights and running statistics; layer_norm and group_norm do not on
 // the CPU of LibTorch 1.13); and claiming it, so that a second Trainer cannot cast or step it too.
 
+#include <mixprec/detail/tensor_set.hpp>
 #include <mixprec/error.hpp>
 
 #include <torch/nn/module.h>
@@ -25,12 +26,6 @@ inline bool is_batch_norm(const torch::nn::Module& module) {
   return dynamic_cast<const torch::nn::BatchNorm1dImpl*>(&module) != nullptr ||
          dynamic_cast<const torch::nn::BatchNorm2dImpl*>(&module) != nullptr ||
          dynamic_cast<const torch::nn::BatchNorm3dImpl*>(&module) != nullptr;
-}
-
-inline std::unordered_set<const void*> identities(const std::vector<at::Tensor>& tensors) {
-  std::unordered_set<const void*> result;
-  for (const auto& t : tensors) result.insert(t.unsafeGetTensorImpl());
-  return result;
 }
 
 /// Casts every floating parameter and buffer of `model` to `dtype`, except BatchNorm's when

@@ -1,0 +1,235 @@
+#pragma once
+// Which tensors a Trainer<P> trains: the model it claims, its parameters (each tensor once), the
+// optimizer's groups and the masters made for them (MixedO2), param groups added later, and the
+// gradients data parallel averages. One refresh for all of them, when the groups change.
+
+#include <mixprec/autocast.hpp>
+#include <mixprec/diagnostics.hpp>
+#include <mixprec/distributed.hpp>
+#include <mixprec/error.hpp>
+#include <mixprec/master_weights.hpp>
+#include <mixprec/detail/model_cast.hpp>
+#include <mixprec/detail/tensor_set.hpp>
+#include <mixprec/detail/trainer_setup.hpp>
+
+#include <ATen/ATen.h>
+#include <torch/nn/module.h>
+#include <torch/optim/optimizer.h>
+
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace mixprec::detail {
+
+template <class P>
+class TrainedTensors {
+ public:
+  /// Checks that `model` is an fp32 CPU or CUDA model that no live Trainer trains and that
+  /// `optimizer` holds its tensors (each in one group), and claims it; changes nothing else.
+  TrainedTensors(const torch::nn::Module& model, const torch::optim::Optimizer& optimizer) {
+    const auto named = model.named_parameters();
+    MIXPREC_CHECK(named.size() > 0, "the model has no parameters: nothing to train");
+    // Claimed before the dtype check: a model that a live O2/O3 Trainer has cast is that
+    // Trainer's, not a Low model of the user's.
+    const auto params = unique_tensors(model.parameters());
+    claim_ = ModelClaim::acquire(params, P::name);
+    for (const auto& item : named) {
+      const auto dtype = item.value().scalar_type();
+      MIXPREC_CHECK(!at::isFloatingType(dtype) || dtype == at::kFloat, "parameter '", item.key(),
+                    "' is ", dtype, ", but Trainer<", P::name, "> expects an fp32 model and "
+                    "casts it itself: build the model in fp32 (drop the ->to(", dtype, "))");
+      const auto device = item.value().device();
+      MIXPREC_CHECK(device.is_cpu() || device.is_cuda(), "parameter '", item.key(), "' is on ",
+                    device, ", but Trainer<", P::name, "> trains CPU and CUDA tensors (autocast "
+                    "and the loss scaler know no other device): move the model with "
+                    "->to(torch::kCPU) or ->to(torch::kCUDA)");
+    }
+    if constexpr (P::master_weights) {
+      MasterWeights::check_rebindable(params, optimizer);
+      check_dense_gradients(model, optimizer_tensors(optimizer), P::name);
+    } else {
+      MasterWeights::check_params_of(params, optimizer);
+    }
+    device_types_ = autocast_device_types(params);
+    params_ = params;
+  }
+
+  /// Casts the model as P says, makes the masters from its values (MixedO2) and lists each
+  /// tensor once in the optimizer. Data parallel: after rank 0's values reached every rank.
+  void take(torch::nn::Module& model, torch::optim::Optimizer& optimizer) {
+    if constexpr (P::cast_model) {
+      std::vector<at::Tensor> fp32_values;
+      if constexpr (P::master_weights) {
+        for (const auto& p : params_) fp32_values.push_back(p.detach().clone());
+      }
+      cast_model(model, P::low_dtype, P::keep_norm_fp32);
+      if constexpr (P::master_weights) masters_.emplace(params_, fp32_values, optimizer);
+    }
+    dedupe_param_groups(optimizer);  // the optimizer steps each tensor once
+    // Adagrad's state, made by its constructor, fits the cast tensors (the masters' in bind).
+    if constexpr (!P::master_weights) fit_construction_state(optimizer);
+    group_sizes_ = group_sizes(optimizer);
+  }
+
+  /// Whether param groups were added since the last refresh (a cheap comparison of sizes).
+  bool groups_changed(const torch::optim::Optimizer& optimizer) const {
+    return !same_group_sizes(optimizer, group_sizes_);
+  }
+
+  /// A param group added after construction (progressive unfreezing): checked as the
+  /// constructor checks the optimizer, its fp32 tensors cast per P, masters made from their
+  /// current values under MixedO2. Nothing changes unless all of it can be done.
+  void adopt(torch::nn::Module& model, torch::optim::Optimizer& optimizer) {
+    check_optimizer_constants<P>(optimizer);  // a late group's eps, too
+    const auto params = unique_tensors(model.parameters());
+    if (masters_) {
+      masters_->check_bindable(params, optimizer);
+    } else {
+      MasterWeights::check_params_of(params, optimizer);
+    }
+    const auto fresh = masters_ ? masters_->unbound(optimizer)
+                                : unique_tensors(optimizer_tensors(optimizer));
+    for (const auto& p : fresh) {
+      const auto dtype = p.scalar_type();
+      MIXPREC_CHECK(dtype == at::kFloat || (P::cast_model && dtype == P::low_dtype), "the "
+                    "optimizer holds a ", dtype, " tensor of shape ", p.sizes(), ", but Trainer<",
+                    P::name, "> trains fp32 tensors and casts them itself: register it in fp32");
+    }
+    if (masters_) check_dense_gradients(model, fresh, P::name);
+    auto claim = ModelClaim::acquire(params, P::name, claim_.get());
+    auto device_types = autocast_device_types(params);
+    // All checks passed.
+    claim_ = std::move(claim);
+    device_types_ = std::move(device_types);
+    std::vector<at::Tensor> fp32_values;
+    if (masters_) {
+      for (const auto& p : fresh) fp32_values.push_back(p.detach().to(at::kFloat).clone());
+    }
+    if constexpr (P::cast_model) cast_model(model, P::low_dtype, P::keep_norm_fp32, &fresh);
+    if (masters_) masters_->bind(fresh, fp32_values, optimizer);
+    dedupe_param_groups(optimizer);
+    if (!masters_) fit_construction_state(optimizer);  // Adagrad: the new group's state
+    params_ = params;
+    group_sizes_ = group_sizes(optimizer);
+  }
+
+  /// The model's parameters, each tensor once.
+  const std::vector<at::Tensor>& params() const noexcept { return params_; }
+  /// The fp32 masters (MixedO2); null for the other policies.
+  MasterWeights* masters() noexcept { return masters_ ? &*masters_ : nullptr; }
+  const MasterWeights* masters() const noexcept { return masters_ ? &*masters_ : nullptr; }
+  /// The parameters' device types: autocast engages on each.
+  const std::vector<c10::DeviceType>& device_types() const noexcept { return device_types_; }
+
+  /// PyTorch's zero_grad(set_to_none=True), its default: a tensor the next step does not reach
+  /// keeps no gradient, and the optimizer skips it (Adam's moments and weight decay do not move
+  /// it). The model's tensors and, under MixedO2, the masters the optimizer holds.
+  void clear_grads(const torch::optim::Optimizer& optimizer) const {
+    detail::clear_grads(params_);
+    if (masters_) {
+      for (const auto& group : optimizer.param_groups()) detail::clear_grads(group.params());
+    }
+  }
+
+  /// Whether a parameter has been frozen or unfrozen since bind().
+  bool trainable_changed() const {
+    std::size_t k = 0;
+    for (const auto& p : params_) {
+      if (!p.requires_grad()) continue;
+      if (k == trainable_.size() || trainable_[k] != id_of(p)) return true;
+      ++k;
+    }
+    return k != trainable_.size();
+  }
+
+  /// Every trainable model tensor's gradient is averaged into its master's (MixedO2) or its
+  /// own. First the ranks compare their models tensor by tensor: ranks that froze different
+  /// tensors of the same shapes would otherwise average one tensor's gradient with another's.
+  void bind(DataParallel& group, const torch::nn::Module& model) {
+    group.check_same_model(model);
+    std::vector<at::Tensor> params, holders;
+    std::vector<TensorId> trainable;
+    for (const auto& p : params_) {
+      if (!p.requires_grad()) continue;
+      const auto master = masters_ ? masters_->master_of(p) : at::Tensor();
+      params.push_back(p);
+      holders.push_back(master.defined() ? master : p);
+      trainable.push_back(id_of(p));
+    }
+    group.bind(params, holders);
+    trainable_ = std::move(trainable);
+  }
+
+  /// fp16's view of the gradients, per parameter or name prefix, still scaled: in the masters'
+  /// gradients where they hold them at the end of the backward pass (`in_masters`: MixedO2
+  /// with accumulation or data parallel), else in the model's.
+  GradientStats gradient_stats(const torch::nn::Module& model, std::int64_t step, double scale,
+                               std::int64_t group_depth, bool in_masters) const {
+    std::vector<std::string> names;
+    std::vector<at::Tensor> grads;
+    for (const auto& [name, p] : unique_named(model.named_parameters())) {
+      const auto master = in_masters && masters_ ? masters_->master_of(p) : at::Tensor();
+      const auto grad = master.defined() ? master.grad() : p.grad();
+      if (!grad.defined()) continue;
+      names.push_back(name_prefix(name, group_depth));
+      grads.push_back(grad);
+    }
+    auto ranges = gradient_ranges(grads, scale);
+    for (std::size_t i = 0; i < ranges.size(); ++i) ranges[i].name = std::move(names[i]);
+    GradientStats stats;
+    stats.step = step;
+    stats.scale = scale;
+    stats.entries = merge_ranges(std::move(ranges));
+    return stats;
+  }
+
+  /// A skipped step's second pass: which of the loss and the gradients held inf/NaN. After the
+  /// unscale pass a non-finite gradient is still non-finite, in the model's gradient and, under
+  /// MixedO2, in the master's: both are read.
+  Overflow find_overflow(const torch::nn::Module& model, const at::Tensor& losses,
+                         bool data_parallel) const {
+    Overflow overflow;
+    overflow.loss = losses.defined() && !std::isfinite(losses.item<double>());
+    std::vector<std::string> names;
+    std::vector<at::Tensor> grads;
+    std::vector<std::size_t> owner;  // index into names of each gradient read
+    for (const auto& [name, p] : unique_named(model.named_parameters())) {
+      const auto master = masters_ ? masters_->master_of(p) : at::Tensor();
+      bool has_grad = false;
+      for (const auto& grad : {p.grad(), master.defined() ? master.grad() : at::Tensor()}) {
+        if (!grad.defined()) continue;
+        owner.push_back(names.size());
+        grads.push_back(grad);
+        has_grad = true;
+      }
+      overflow.checked += has_grad ? 1 : 0;
+      names.push_back(name);
+    }
+    const auto flags = non_finite_flags(grads);
+    std::vector<bool> bad(names.size(), false);
+    for (std::size_t i = 0; i < flags.size(); ++i) bad[owner[i]] = bad[owner[i]] || flags[i];
+    for (std::size_t i = 0; i < names.size(); ++i) {
+      if (!bad[i]) continue;
+      ++overflow.param_count;
+      if (overflow.params.size() < Overflow::max_names) overflow.params.push_back(names[i]);
+    }
+    overflow.other_rank = data_parallel && !overflow.loss && overflow.param_count == 0;
+    return overflow;
+  }
+
+ private:
+  std::shared_ptr<ModelClaim> claim_;        // no other Trainer may train the model meanwhile
+  std::vector<at::Tensor> params_;           // model.parameters(), each tensor once
+  std::vector<std::size_t> group_sizes_;     // the optimizer's groups when params_ was made
+  std::optional<MasterWeights> masters_;     // MixedO2
+  std::vector<c10::DeviceType> device_types_;
+  std::vector<TensorId> trainable_;          // the tensors data parallel averages (bind)
+};
+
+}  // namespace mixprec::detail
