@@ -25,7 +25,7 @@ export CCACHE_SLOPPINESS="${CCACHE_SLOPPINESS:-pch_defines,time_macros,include_f
 MIXPREC_PACKAGES=(cmake ninja-build g++ ccache doctest-dev libgloo-dev libcli11-dev python3-venv)
 MIXPREC_SYSTEM_PACKAGES=(libtorch-dev python3-torch)
 MIXPREC_DEMO_PACKAGES=(dataset-fashion-mnist python3-matplotlib)
-MIXPREC_TEST_PACKAGES=("${MIXPREC_DEMO_PACKAGES[@]}" clang-14 libfuzzer-14-dev)
+MIXPREC_TEST_PACKAGES=("${MIXPREC_DEMO_PACKAGES[@]}" clang-14 libfuzzer-14-dev valgrind)
 
 # Installs what every command needs, the selected LibTorch's packages, and "$@".
 mixprec_ensure_packages_for() {

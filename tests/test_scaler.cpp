@@ -55,6 +55,29 @@ struct Setup {
   }
 };
 
+// Every dtype and size: a clean gradient (reference * scale), then the same with inf, -inf or
+// NaN at the start, the middle and the end; check(reference, grad, clean) for each.
+template <class Check>
+void for_each_injection(const std::vector<at::ScalarType>& dtypes,
+                        const std::vector<std::int64_t>& sizes, float scale, Check&& check) {
+  for (const auto dtype : dtypes) {
+    for (const std::int64_t n : sizes) {
+      CAPTURE(dtype);
+      CAPTURE(n);
+      torch::manual_seed(n);
+      const auto reference = torch::randn({n}).to(dtype);
+      for (const std::int64_t bad_at : {std::int64_t{-1}, std::int64_t{0}, n / 2, n - 1}) {
+        for (const float bad_value : {kInf, -kInf, kNaN}) {
+          auto grad = (reference * scale).contiguous();
+          if (bad_at >= 0) grad[bad_at] = bad_value;
+          check(reference, grad, bad_at < 0);
+          if (bad_at < 0) break;  // one clean run per size
+        }
+      }
+    }
+  }
+}
+
 // PyTorch's _run_scaling_case: train with a scaler, inject inf at `skip_iter`; the result must
 // equal a NoScaler run with the same injection (both skip that step), bit for bit.
 template <class Scaler, class Run>
@@ -185,32 +208,88 @@ TEST_CASE("min_scale and max_scale bound the scale; it never grows to inf") {
 
 TEST_CASE("raw unscale: values, strides, slices, inf/NaN anywhere, sizes around the grain") {
   const float scale = 4.0F;  // exact in every dtype
-  for (const auto dtype : {at::kFloat, at::kBFloat16, at::kDouble}) {
-    for (const std::int64_t n : {1, 7, 32767, 32768, 32769, 65535, 65536, 65537, 200003}) {
-      CAPTURE(dtype);
-      CAPTURE(n);
-      torch::manual_seed(n);
-      const auto reference = torch::randn({n}).to(dtype);
-      for (const std::int64_t bad_at : {std::int64_t{-1}, std::int64_t{0}, n / 2, n - 1}) {
-        for (const float bad_value : {kInf, -kInf, kNaN}) {
-          auto grad = (reference * scale).contiguous();
-          if (bad_at >= 0) grad[bad_at] = bad_value;
-          auto p = param_with_grad(grad);
-          auto opt = sgd_over({p});
-          mp::GradScaler scaler(mp::GradScalerOptions().init_scale(scale));
-          (void)scaler.scale(torch::zeros({}));
-          scaler.unscale_(opt);
-          const bool stepped = scaler.step(opt);
-          CHECK(stepped == (bad_at < 0));
-          if (bad_at < 0) {
-            CHECK(p.grad().equal(reference));
-            CHECK(p.grad().scalar_type() == dtype);
-          }
-          if (bad_at < 0) break;  // one clean run per size
-        }
-      }
+  for_each_injection({at::kFloat, at::kBFloat16, at::kDouble},
+                     {1, 7, 32767, 32768, 32769, 65535, 65536, 65537, 200003}, scale,
+                     [&](const at::Tensor& reference, const at::Tensor& grad, bool clean) {
+    auto p = param_with_grad(grad);
+    auto opt = sgd_over({p});
+    mp::GradScaler scaler(mp::GradScalerOptions().init_scale(scale));
+    (void)scaler.scale(torch::zeros({}));
+    scaler.unscale_(opt);
+    const bool stepped = scaler.step(opt);
+    CHECK(stepped == clean);
+    if (clean) {
+      CHECK(p.grad().equal(reference));
+      CHECK(p.grad().scalar_type() == reference.scalar_type());
     }
+  });
+}
+
+TEST_CASE("the finiteness-only pass (NoScaler, no clipping): inf/NaN anywhere, every dtype, views") {
+  // Without a scale or clipping the gradients are only read: a bit comparison, no sum of squares.
+  const auto dtypes = mp::cpu_half_math ? std::vector<at::ScalarType>{at::kFloat, at::kBFloat16,
+                                                                      at::kDouble, at::kHalf}
+                                        : std::vector<at::ScalarType>{at::kFloat, at::kBFloat16,
+                                                                      at::kDouble};
+  for_each_injection(dtypes, {1, 15, 17, 32767, 32769, 65537}, 1.0F,
+                     [](const at::Tensor&, const at::Tensor& grad, bool clean) {
+    // The largest finite value of each dtype is finite: only inf and NaN count.
+    if (clean && grad.numel() > 2) {
+      const auto dtype = grad.scalar_type();
+      grad[1] = dtype == at::kDouble ? std::numeric_limits<double>::max()
+                                     : mp::ops::max_value_of_dtype(dtype);
+      grad[2] = -grad[1];
+    }
+    auto p = param_with_grad(grad);
+    auto opt = sgd_over({p});
+    mp::NoScaler scaler;
+    scaler.unscale_(opt);
+    CHECK(scaler.step(opt) == clean);
+  });
+  SUBCASE("a transposed and a sliced gradient") {
+    auto base = torch::randn({64, 48});
+    auto transposed = param_with_grad(base.t());
+    auto sliced_grad = torch::randn({64, 96});
+    auto sliced = param_with_grad(sliced_grad.narrow(1, 0, 48));
+    sliced_grad[63][47] = kNaN;  // inside the slice, in the last row
+    auto opt = sgd_over({transposed, sliced});
+    mp::NoScaler scaler;
+    scaler.unscale_(opt);
+    CHECK_FALSE(scaler.step(opt));
+    scaler.update();
+    sliced_grad[63][47] = 0.0F;
+    sliced_grad[0][50] = kInf;  // outside the slice: not a gradient value
+    scaler.unscale_(opt);
+    CHECK(scaler.step(opt));
   }
+}
+
+TEST_CASE("the de-duplication of the optimizer's tensors follows changes between iterations") {
+  // The unscale pass keeps its index of each tensor's first listing while the optimizer lists
+  // the same tensors; a tensor swapped in a group, of the same count, is seen.
+  auto a = param_with_grad(torch::ones({3}));
+  auto b = param_with_grad(torch::ones({3}));
+  auto c = param_with_grad(torch::ones({3}));
+  torch::optim::SGD opt(std::vector<torch::optim::OptimizerParamGroup>{
+      torch::optim::OptimizerParamGroup({a, b}), torch::optim::OptimizerParamGroup({c})},
+                        torch::optim::SGDOptions(0.1));
+  mp::GradScaler scaler(mp::GradScalerOptions().init_scale(2.0));
+  (void)scaler.scale(torch::zeros({}));
+  scaler.unscale_(opt);
+  CHECK(a.grad().equal(torch::full({3}, 0.5)));
+  CHECK(scaler.step(opt));
+  scaler.update();
+  // c is now in both groups: refused, as on the first iteration it would have been.
+  opt.param_groups()[0].params()[1] = c;
+  (void)scaler.scale(torch::zeros({}));
+  CHECK_THROWS_WITH_AS(scaler.unscale_(opt), doctest::Contains("is in param groups 0 and 1"),
+                       mp::Error);
+  scaler.reset_stages();
+  // Listed twice in one group, it is unscaled once.
+  opt.param_groups()[0].params()[1] = a;
+  a.mutable_grad() = torch::full({3}, 4.0);
+  scaler.unscale_(opt);
+  CHECK(a.grad().equal(torch::full({3}, 2.0)));
 }
 
 TEST_CASE("raw unscale of transposed, sliced and many tensors of mixed dtypes") {

@@ -198,7 +198,7 @@ class ScalerCore {
   /// Returns whether it stepped. On a device this is the iteration's one host synchronisation
   /// (with clipping, the norm's read has taken its place).
   bool step(torch::optim::Optimizer& optimizer) {
-    auto& entry = entries_[&optimizer];
+    auto& entry = entry_of(optimizer);
     MIXPREC_CHECK(entry.stage != Stage::stepped,
                   "step() has already been called since the last update()");
     if (entry.stage == Stage::ready) unscale_(optimizer);
@@ -241,7 +241,7 @@ class ScalerCore {
 
   std::optional<double> unscale_planned(torch::optim::Optimizer& optimizer,
                                         const UnscalePlan& options) {
-    auto& entry = entries_[&optimizer];
+    auto& entry = entry_of(optimizer);
     MIXPREC_CHECK(entry.stage != Stage::unscaled,
                   "unscale_() has already been called on this optimizer since the last update()");
     MIXPREC_CHECK(entry.stage != Stage::stepped, "unscale_() is being called after step(): call it "
@@ -277,7 +277,7 @@ class ScalerCore {
   template <class FusedStep>
   FusedStepResult step_fused(torch::optim::Optimizer& optimizer, const UnscalePlan& options,
                              FusedStep&& fused_step) {
-    auto& entry = entries_[&optimizer];
+    auto& entry = entry_of(optimizer);
     MIXPREC_CHECK(entry.stage == Stage::ready, "step_fused() unscales inside the optimizer's "
                   "step: call it instead of unscale_() and step(), once per iteration");
     check_unscale_call(options);
@@ -297,16 +297,18 @@ class ScalerCore {
       }
       const double scale = scaling_ ? static_cast<double>(host_scale_) : 1.0;
       double clip = 1.0;
-      if (options.max_grad_norm() || !masters) {
-        // One read pass: finiteness (the loss's included), and the norm when clipping.
+      if (options.max_grad_norm()) {
+        // One read pass: the norm and finiteness (the loss's included).
         const auto stats = detail::grad_stats(pairs, options.also_check());
         entry.found_host = stats.non_finite;
         if (stats.non_finite) found_inf.fill_(1.0);
-        if (options.max_grad_norm()) {
-          result.grad_norm = stats.non_finite ? std::numeric_limits<double>::infinity()
-                                              : std::sqrt(stats.sum_of_squares) * inv_scale();
-          if (!stats.non_finite) clip = clip_coefficient(*result.grad_norm, options);
-        }
+        result.grad_norm = stats.non_finite ? std::numeric_limits<double>::infinity()
+                                            : std::sqrt(stats.sum_of_squares) * inv_scale();
+        if (!stats.non_finite) clip = clip_coefficient(*result.grad_norm, options);
+      } else if (!masters) {
+        // Finiteness alone (the loss's included).
+        entry.found_host = detail::any_non_finite(pairs, options.also_check());
+        if (*entry.found_host) found_inf.fill_(1.0);
       } else {
         check_also(options, found_inf);
       }
@@ -399,34 +401,23 @@ class ScalerCore {
   // and a tensor unscaled twice would be divided by the scale twice and counted twice in the norm.
   std::vector<GradPair> collect_grads(torch::optim::Optimizer& optimizer,
                                       const std::vector<at::Tensor>& grads_from) const {
-    std::vector<at::Tensor> params;
-    std::vector<std::size_t> group_of;
-    const auto& groups = optimizer.param_groups();
-    for (std::size_t g = 0; g < groups.size(); ++g) {
-      for (const auto& p : groups[g].params()) {
-        params.push_back(p);
-        group_of.push_back(g);
-      }
+    std::vector<const at::Tensor*> params;
+    for (const auto& group : optimizer.param_groups()) {
+      for (const auto& p : group.params()) params.push_back(&p);
     }
     MIXPREC_CHECK(grads_from.empty() || grads_from.size() == params.size(),
                   "grads_from has ", grads_from.size(),
                   " tensors but the optimizer has ", params.size(), " parameters");
     const bool in_place = grads_from.empty();
-    std::unordered_map<const void*, std::size_t> first;  // a tensor's first index in params
+    const auto& index = grad_index(optimizer, params);
+    for (const auto& [i, j] : index.repeats) {
+      MIXPREC_CHECK(in_place || grads_from[i].is_same(grads_from[j]),
+                    "grads_from[", j, "] and grads_from[", i, "] differ, but "
+                    "both are for the same optimizer tensor (listed twice): repeat its source");
+    }
     std::vector<std::size_t> with_grad;
-    for (std::size_t i = 0; i < params.size(); ++i) {
-      const auto [seen, inserted] = first.try_emplace(params[i].unsafeGetTensorImpl(), i);
-      if (!inserted) {
-        const auto j = seen->second;
-        MIXPREC_CHECK(group_of[i] == group_of[j], "a tensor of shape ", params[i].sizes(),
-                      " is in param groups ", group_of[j], " and ", group_of[i], " of the "
-                      "optimizer (PyTorch refuses this too): put each tensor in one group");
-        MIXPREC_CHECK(in_place || grads_from[i].is_same(grads_from[j]),
-                      "grads_from[", j, "] and grads_from[", i, "] differ, but "
-                      "both are for the same optimizer tensor (listed twice): repeat its source");
-        continue;
-      }
-      const at::Tensor& grad = (in_place ? params[i] : grads_from[i]).grad();
+    for (const auto i : index.first) {
+      const at::Tensor& grad = (in_place ? *params[i] : grads_from[i]).grad();
       if (!grad.defined()) continue;
       const auto dtype = grad.scalar_type();
       MIXPREC_CHECK(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16 ||
@@ -446,30 +437,75 @@ class ScalerCore {
       } else {
         MIXPREC_CHECK(!grad.is_sparse(), "sparse gradients cannot be copied into master "
                       "weights; use a dense embedding (sparse=false) with MixedO2");
-        MIXPREC_CHECK(grad.sizes() == params[i].sizes(), "grads_from[", i,
+        MIXPREC_CHECK(grad.sizes() == params[i]->sizes(), "grads_from[", i,
                       "] has shape ", grad.sizes(), " but the optimizer's parameter has shape ",
-                      params[i].sizes());
+                      params[i]->sizes());
       }
       with_grad.push_back(i);
     }
     std::vector<GradPair> pairs;
     for (const auto i : with_grad) {
       if (in_place) {
-        auto grad = params[i].grad();
+        auto grad = params[i]->grad();
         // Repeated indices of a sparse gradient would be counted twice by the norm, and could
         // overflow fp16 when summed later: the parameter gets the coalesced gradient.
         if (grad.is_sparse() && !grad.is_coalesced()) {
           grad = grad.coalesce();
-          params[i].mutable_grad() = grad;
+          params[i]->mutable_grad() = grad;
         }
         pairs.push_back({grad, grad});
       } else {
-        auto& master_grad = params[i].mutable_grad();
-        if (!master_grad.defined()) master_grad = at::empty_like(params[i]);
+        auto& master_grad = params[i]->mutable_grad();
+        if (!master_grad.defined()) master_grad = at::empty_like(*params[i]);
         pairs.push_back({grads_from[i].grad(), master_grad});
       }
     }
     return pairs;
+  }
+
+  // collect_grads' de-duplication, a function of the tensors listed and the groups' sizes alone,
+  // rebuilt only when they change: each tensor's first listing, and each repeat with its first.
+  struct GradIndex {
+    std::vector<const void*> listed;   // every tensor listed, group after group
+    std::vector<std::size_t> sizes;    // the groups' sizes
+    std::vector<std::size_t> first;
+    std::vector<std::pair<std::size_t, std::size_t>> repeats;
+  };
+
+  const GradIndex& grad_index(const torch::optim::Optimizer& optimizer,
+                              const std::vector<const at::Tensor*>& params) const {
+    const auto& groups = optimizer.param_groups();
+    bool same = index_.listed.size() == params.size() &&
+                index_.sizes.size() == groups.size();
+    for (std::size_t g = 0; same && g < groups.size(); ++g) {
+      same = index_.sizes[g] == groups[g].params().size();
+    }
+    for (std::size_t i = 0; same && i < params.size(); ++i) {
+      same = index_.listed[i] == params[i]->unsafeGetTensorImpl();
+    }
+    if (same) return index_;
+    GradIndex index;
+    std::vector<std::size_t> group_of;
+    for (std::size_t g = 0; g < groups.size(); ++g) {
+      index.sizes.push_back(groups[g].params().size());
+      group_of.insert(group_of.end(), groups[g].params().size(), g);
+    }
+    std::unordered_map<const void*, std::size_t> first;  // a tensor's first index in params
+    for (std::size_t i = 0; i < params.size(); ++i) {
+      index.listed.push_back(params[i]->unsafeGetTensorImpl());
+      const auto [seen, inserted] = first.try_emplace(index.listed.back(), i);
+      if (inserted) {
+        index.first.push_back(i);
+        continue;
+      }
+      const auto j = seen->second;
+      MIXPREC_CHECK(group_of[i] == group_of[j], "a tensor of shape ", params[i]->sizes(),
+                    " is in param groups ", group_of[j], " and ", group_of[i], " of the "
+                    "optimizer (PyTorch refuses this too): put each tensor in one group");
+      index.repeats.emplace_back(i, j);
+    }
+    index_ = std::move(index);
+    return index_;
   }
 
   // The gradient passes: (norm and finiteness) when clipping, then one scale pass. Sets `known`
@@ -480,7 +516,7 @@ class ScalerCore {
       const bool in_place_identity = !scaling_ &&
           std::all_of(pairs.begin(), pairs.end(), [](const GradPair& p) { return p.from.is_same(p.to); });
       if (in_place_identity) {  // NoScaler without clipping: a read-only check suffices
-        known = detail::grad_stats(pairs, options.also_check()).non_finite;
+        known = detail::any_non_finite(pairs, options.also_check());
         if (*known) found_inf.fill_(1.0);
         return std::nullopt;
       }
@@ -515,9 +551,16 @@ class ScalerCore {
     return std::min(1.0, *options.max_grad_norm() / (norm + 1e-6));
   }
 
-  at::Tensor new_found_inf(const std::vector<GradPair>& pairs) const {
-    return at::zeros({}, at::TensorOptions(at::kFloat).device(scaling_ ? scale_.device()
-                                                                       : pairs.front().to.device()));
+  // A 0-dim fp32 zero on the scale's device (the gradients' without scaling): the previous
+  // iteration's flag, zeroed, once nothing else holds it (no allocation per step).
+  at::Tensor new_found_inf(const std::vector<GradPair>& pairs) {
+    const auto device = scaling_ ? scale_.device() : pairs.front().to.device();
+    if (spare_found_.defined() && spare_found_.device() == device &&
+        spare_found_.use_count() == 1) {
+      return spare_found_.zero_();
+    }
+    spare_found_ = at::zeros({}, at::TensorOptions(at::kFloat).device(device));
+    return spare_found_;
   }
 
   // The entry's inf flag on the host, read back (a synchronisation on a device) only if unknown.
@@ -526,7 +569,18 @@ class ScalerCore {
     return *entry.found_host;
   }
 
-  std::unordered_map<const torch::optim::Optimizer*, Entry> entries_;
+  // This iteration's records, one per optimizer (a vector: one or two optimizers, and clearing
+  // it keeps its capacity, so a step allocates nothing here).
+  Entry& entry_of(const torch::optim::Optimizer& optimizer) {
+    for (auto& [key, entry] : entries_) {
+      if (key == &optimizer) return entry;
+    }
+    return entries_.emplace_back(&optimizer, Entry{}).second;
+  }
+
+  std::vector<std::pair<const torch::optim::Optimizer*, Entry>> entries_;
+  mutable GradIndex index_;  // collect_grads' cache
+  at::Tensor spare_found_;   // new_found_inf's flag, reused once no record holds it
 };
 
 /// The gradient passes of a Trainer's step: scale the loss, then unscale, check, clip, agree

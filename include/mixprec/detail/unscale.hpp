@@ -3,7 +3,8 @@
 // _amp_foreach_non_finite_check_and_unscale_ kernel, and `isfinite(g).all()` reads the data
 // ~25x slower than a multiply; so the CPU passes are written here, one pass each:
 //   scale_and_check_: read `from`, write `to = from * factor`, flag a non-finite result;
-//   grad_stats:       read `from`, sum of squares (double) and non-finite flag together.
+//   grad_stats:       read `from`, sum of squares (double) and non-finite flag together;
+//   any_non_finite:   read `from`, the non-finite flag alone (no clipping: no norm to compute).
 // Elsewhere (CUDA) the fused ATen kernels do the work.
 
 #include <ATen/ATen.h>
@@ -16,6 +17,7 @@
 #include <bit>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -194,6 +196,78 @@ GradStats grad_stats_span(const In* from, std::int64_t n) {
   return stats;
 }
 
+// Finiteness alone (no clipping, so no norm): the largest magnitude's bits, an unsigned max
+// reduction that vectorises, compared once with the exponent mask (inf and NaN at or above it).
+template <class In>
+struct FloatBits;
+template <>
+struct FloatBits<float> {
+  using type = std::uint32_t;
+  static constexpr type magnitude = 0x7fffffffU, exponent = 0x7f800000U;
+};
+template <>
+struct FloatBits<double> {
+  using type = std::uint64_t;
+  static constexpr type magnitude = 0x7fffffffffffffffULL, exponent = 0x7ff0000000000000ULL;
+};
+template <>
+struct FloatBits<at::Half> {
+  using type = std::uint16_t;
+  static constexpr type magnitude = 0x7fff, exponent = 0x7c00;
+};
+template <>
+struct FloatBits<at::BFloat16> {
+  using type = std::uint16_t;
+  static constexpr type magnitude = 0x7fff, exponent = 0x7f80;
+};
+
+template <class In>
+MIXPREC_ALWAYS_INLINE inline bool non_finite_loop(const In* from, std::int64_t begin,
+                                                  std::int64_t end) {
+  using Bits = FloatBits<In>;
+  static_assert(sizeof(typename Bits::type) == sizeof(In));
+  typename Bits::type most = 0;
+  for (std::int64_t i = begin; i < end; ++i) {
+    typename Bits::type bits;
+    std::memcpy(&bits, from + i, sizeof bits);
+    bits &= Bits::magnitude;
+    most = bits > most ? bits : most;
+  }
+  return most >= Bits::exponent;
+}
+
+#ifdef MIXPREC_X86_DISPATCH
+template <class In>
+[[gnu::target("avx2")]] bool non_finite_loop_avx2(const In* from, std::int64_t begin,
+                                                  std::int64_t end) {
+  return non_finite_loop(from, begin, end);
+}
+template <class In>
+[[gnu::target("avx512f,avx512bw")]] bool non_finite_loop_avx512(const In* from, std::int64_t begin,
+                                                                std::int64_t end) {
+  return non_finite_loop(from, begin, end);
+}
+#endif
+
+template <class In>
+bool non_finite_span(const In* from, std::int64_t n) {
+  std::atomic<bool> non_finite{false};
+  at::parallel_for(0, n, kGrainSize, [&](std::int64_t begin, std::int64_t end) {
+    bool bad = false;
+#ifdef MIXPREC_X86_DISPATCH
+    switch (cpu_isa()) {
+      case Isa::avx512: bad = non_finite_loop_avx512(from, begin, end); break;
+      case Isa::avx2: bad = non_finite_loop_avx2(from, begin, end); break;
+      case Isa::base: bad = non_finite_loop(from, begin, end); break;
+    }
+#else
+    bad = non_finite_loop(from, begin, end);
+#endif
+    if (bad) non_finite.store(true, std::memory_order_relaxed);
+  });
+  return non_finite.load(std::memory_order_relaxed);
+}
+
 // Dense tensors whose elements fill one block of memory (contiguous, transposed, permuted) are
 // processed in place as a flat span; other views (slices with gaps) go through a copy.
 inline bool is_flat(const at::Tensor& t) { return t.is_non_overlapping_and_dense(); }
@@ -248,6 +322,17 @@ inline GradStats grad_stats_cpu(const at::Tensor& from) {
     stats = grad_stats_span(static_cast<const In*>(flat_begin(t)), t.numel());
   });
   return stats;
+}
+
+/// CPU: whether a Float, Double, Half or BFloat16 tensor holds inf or NaN, one read pass.
+inline bool non_finite_cpu(const at::Tensor& from) {
+  const auto t = is_flat(from) ? from : from.contiguous();
+  bool bad = false;
+  dispatch_grad_dtype(t.scalar_type(), [&](auto tag) {
+    using In = decltype(tag);
+    bad = non_finite_span(static_cast<const In*>(flat_begin(t)), t.numel());
+  });
+  return bad;
 }
 
 /// The gradient values a pass works on: a sparse gradient's values, a dense gradient itself.
@@ -345,6 +430,23 @@ inline GradStats grad_stats(const std::vector<GradPair>& pairs, const at::Tensor
   for (const auto& s : device_sums) total.sum_of_squares += s.item<double>();  // one sync each
   total.non_finite |= !(total.sum_of_squares <= std::numeric_limits<double>::max());
   return total;
+}
+
+/// Whether any `from` gradient or `also` holds inf or NaN: grad_stats without the sum of squares
+/// (a pass that only compares bits) where everything is on the CPU.
+inline bool any_non_finite(const std::vector<GradPair>& pairs, const at::Tensor& also = {}) {
+  const auto on_cpu = [](const at::Tensor& t) {
+    const auto dtype = t.scalar_type();
+    return t.device().is_cpu() && (dtype == at::kFloat || dtype == at::kDouble ||
+                                   dtype == at::kHalf || dtype == at::kBFloat16);
+  };
+  bool cpu = !also.defined() || on_cpu(also);
+  for (const auto& pair : pairs) cpu = cpu && on_cpu(grad_values(pair.from));
+  if (!cpu) return grad_stats(pairs, also).non_finite;
+  for (const auto& pair : pairs) {
+    if (non_finite_cpu(grad_values(pair.from))) return true;
+  }
+  return also.defined() && non_finite_cpu(also);
 }
 
 }  // namespace mixprec::detail
