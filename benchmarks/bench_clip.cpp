@@ -114,7 +114,7 @@ int main(int argc, char** argv) {
     }
   }
 
-  const auto medians = bench::interleaved_medians(variants, options);
+  const auto ms = bench::interleaved_samples(variants, options);
 
   if (!(recipe.min_norm_seen > kMaxNorm) || !(fused.min_norm_seen > kMaxNorm)) {
     std::fprintf(stderr, "bench_clip: clipping was inactive (smallest norms seen %g, %g)\n",
@@ -123,20 +123,21 @@ int main(int argc, char** argv) {
   }
 
   std::printf("## bench_clip: unscale_ + gradient clipping\n\n"
-              "Gradients of SGD parameters, scale %g, max_grad_norm %g. Medians of %d "
-              "interleaved repetitions (%d warm-up).\n",
-              kScale, kMaxNorm, options.repetitions, options.warmup);
+              "Gradients of SGD parameters, scale %g, max_grad_norm %g. %s\n",
+              kScale, kMaxNorm, bench::method(options).c_str());
   const auto title = "Unscale + clip to max_grad_norm 1, fp32 grads: " +
                      elements_name(count * per_tensor) + " elements in " + std::to_string(count) +
                      " tensors of " + elements_name(per_tensor) + ", intra-op threads " +
                      std::to_string(at::get_num_threads());
-  bench::print_table(title, variants, medians);
+  bench::print_table(title, variants, ms);
+  const auto speed_up = bench::paired_ratio(ms[0], ms[1]);
   std::printf("\nClipping active in every repetition of both: smallest norm before clipping "
-              "%.3f (recipe), %.3f (fused) > %g. Speed-up fused vs recipe: %.2fx (target >= "
-              "1.5x: %s). Fused / one mul_ pass: %.2fx (fused: one read pass, then one read/write "
-              "pass; the recipe: three reads, two writes).\n",
-              recipe.min_norm_seen, fused.min_norm_seen, kMaxNorm, medians[0] / medians[1],
-              medians[0] / medians[1] >= 1.5 ? "met" : "MISSED", medians[1] / medians[2]);
+              "%.3f (recipe), %.3f (fused) > %g. Speed-up fused vs recipe: %.2fx (IQR %s; target "
+              ">= 1.5x: %s). Fused / one mul_ pass: %.2fx (fused: one read pass, then one "
+              "read/write pass; the recipe: three reads, two writes).\n",
+              recipe.min_norm_seen, fused.min_norm_seen, kMaxNorm, speed_up.median,
+              bench::iqr(speed_up, 2).c_str(), speed_up.median >= 1.5 ? "met" : "MISSED",
+              bench::paired_ratio(ms[1], ms[2]).median);
   std::printf("\nCommand: `./build/default/benchmarks/bench_clip`\n");
   return 0;
 }

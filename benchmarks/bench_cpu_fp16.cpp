@@ -80,8 +80,9 @@ int main(int argc, char** argv) {
   const std::int64_t batch = options.smoke ? 8 : 64;
   std::ostringstream cpu;
   cpu << mixprec::cpu_capabilities();
-  std::printf("## fp16 on this CPU\n\n%s; LibTorch %s, %d threads, batch %lld\n", cpu.str().c_str(),
-              TORCH_VERSION, torch::get_num_threads(), static_cast<long long>(batch));
+  std::printf("## fp16 on this CPU\n\n%s; LibTorch %s, %d threads, batch %lld. %s\n",
+              cpu.str().c_str(), TORCH_VERSION, torch::get_num_threads(),
+              static_cast<long long>(batch), bench::method(options).c_str());
   if (!mixprec::cpu_half_math) {
     std::printf("\nLibTorch %s computes no fp16 on the CPU: nothing to measure (ratio 1.00)\n",
                 TORCH_VERSION);
@@ -94,15 +95,19 @@ int main(int argc, char** argv) {
                                      std::pair{at::kBFloat16, "bf16"}}) {
       for (auto& v : conv_variants(s, batch, dtype, tag)) variants.push_back(std::move(v));
     }
-    const auto medians = bench::interleaved_medians(variants, options);
+    const auto ms = bench::interleaved_samples(variants, options);
     std::printf("\n### The demo CNN's %s, batch %lld\n\n| product | fp32 ms | fp16 ms | fp16 ratio | "
-                "bf16 ms | bf16 ratio |\n|---|---:|---:|---:|---:|---:|\n",
+                "fp16 ratio IQR | bf16 ms | bf16 ratio | bf16 ratio IQR |\n"
+                "|---|---:|---:|---:|---:|---:|---:|---:|\n",
                 s.name, static_cast<long long>(batch));
     const char* products[] = {"forward", "input gradient", "weight gradient"};
-    for (int p = 0; p < 3; ++p) {
-      const double f32 = medians[p], f16 = medians[3 + p], b16 = medians[6 + p];
-      std::printf("| %s | %.3f | %.3f | %.2f | %.3f | %.2f |\n", products[p], f32, f16, f16 / f32,
-                  b16, b16 / f32);
+    for (std::size_t p = 0; p < 3; ++p) {
+      const auto f16 = bench::paired_ratio(ms[3 + p], ms[p]);
+      const auto b16 = bench::paired_ratio(ms[6 + p], ms[p]);
+      std::printf("| %s | %.3f | %.3f | %.2f | %s | %.3f | %.2f | %s |\n", products[p],
+                  bench::median(ms[p]), bench::median(ms[3 + p]), f16.median,
+                  bench::iqr(f16, 2).c_str(), bench::median(ms[6 + p]), b16.median,
+                  bench::iqr(b16, 2).c_str());
     }
   }
   using Half = at::Half;
@@ -119,6 +124,6 @@ int main(int argc, char** argv) {
       step_variant<mixprec::MixedO2<Half>>("MixedO2<Half>, channels_last", batch, false, true),
   };
   bench::print_table("A training step of the demo CNN (Trainer, SGD momentum)", steps,
-                     bench::interleaved_medians(steps, options));
+                     bench::interleaved_samples(steps, options));
   return 0;
 }

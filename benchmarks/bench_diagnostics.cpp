@@ -74,11 +74,11 @@ void per_step(const bench::Options& options, const std::vector<bench::models::Im
   variants.push_back({"gradient_stats every 100 steps", run(*every100, setups[1].model)});
   variants.push_back({"gradient_stats every step", run(*every1, setups[2].model)});
   variants.push_back({"find_non_finite_op", run(*finder, setups[3].model)});
-  const auto medians = bench::interleaved_medians(variants, options);
+  const auto ms = bench::interleaved_samples(variants, options);
   bench::print_table("Clean steps, Trainer<" + std::string(P::name) + ">: demo CNN, batch " +
                          std::to_string(data.front().x.size(0)) + ", " + std::to_string(steps) +
                          " SGD steps, " + std::to_string(at::get_num_threads()) + " threads",
-                     variants, medians);
+                     variants, ms);
 }
 
 void skipped_step(const bench::Options& options, const std::vector<bench::models::ImageBatch>& data,
@@ -107,11 +107,11 @@ void skipped_step(const bench::Options& options, const std::vector<bench::models
          }
        }},
   };
-  const auto medians = bench::interleaved_medians(variants, options);
+  const auto ms = bench::interleaved_samples(variants, options);
   bench::print_table("Skipped steps, Trainer<FullPrecision>: demo CNN, batch " +
                          std::to_string(data.front().x.size(0)) + ", " + std::to_string(steps) +
                          " steps",
-                     variants, medians);
+                     variants, ms);
 }
 
 void advisor(const bench::Options& options, const std::vector<bench::models::ImageBatch>& data) {
@@ -135,9 +135,9 @@ void advisor(const bench::Options& options, const std::vector<bench::models::Ima
          if (advice.layers.empty()) std::abort();
        }},
   };
-  const auto medians = bench::interleaved_medians(variants, options);
+  const auto ms = bench::interleaved_samples(variants, options);
   bench::print_table("mixprec::advise: demo CNN, batch " + std::to_string(data.front().x.size(0)),
-                     variants, medians);
+                     variants, ms);
 }
 
 }  // namespace
@@ -149,10 +149,9 @@ int main(int argc, char** argv) {
   const int steps = options.smoke ? 2 : 20;
   const auto data = bench::models::image_batches(8, batch);
   std::printf("## bench_diagnostics: the cost of the precision diagnostics\n\n"
-              "The demo's CNN on random images, SGD with momentum. Medians of %d interleaved "
-              "repetitions (%d warm-up). Diagnostics off is the default; docs/diagnostics.md "
-              "says what each one reads.\n",
-              options.repetitions, options.warmup);
+              "The demo's CNN on random images, SGD with momentum. %s Diagnostics off is the "
+              "default; docs/diagnostics.md says what each one reads.\n",
+              bench::method(options).c_str());
   per_step<mixprec::FullPrecision>(options, data, steps, /*with_hand_loop=*/true);
   per_step<mixprec::MixedO2<at::BFloat16>>(options, data, steps, /*with_hand_loop=*/false);
   skipped_step(options, data, steps);

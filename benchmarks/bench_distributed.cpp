@@ -71,10 +71,16 @@ struct Setup {
   std::unique_ptr<mp::Trainer<P>> trainer;
 };
 
-std::string fixed(double value, int digits) {
-  char text[64];
-  std::snprintf(text, sizeof text, "%.*f", digits, value);
-  return text;
+using bench::fixed;
+
+/// Milliseconds per step, [variant][repetition]: each variant runs `steps` steps per sample.
+bench::Samples step_ms(const std::vector<bench::Variant>& variants, int steps,
+                       const bench::Options& options) {
+  auto ms = bench::interleaved_samples(variants, options);
+  for (auto& samples : ms) {
+    for (auto& sample : samples) sample /= steps;
+  }
+  return ms;
 }
 
 int run_rank(int rank, const std::string& dir, const bench::Options& options) {
@@ -87,10 +93,11 @@ int run_rank(int rank, const std::string& dir, const bench::Options& options) {
   out << "## bench_distributed: data parallel over Gloo, 2 processes on loopback\n\n"
       << "Per optimizer step, FullPrecision, SGD, batch " << batch << " per rank, one thread per "
       << "rank. *overhead* = step time with `TrainerOptions::distributed` minus the same step "
-      << "without it, both measured in the 2 processes at once (interleaved, medians of "
-      << options.repetitions << " runs of " << steps << " steps).\n\n"
+      << "without it, both measured in the 2 processes at once (interleaved in alternating order, "
+      << "medians of " << options.repetitions << " runs of " << steps << " steps after "
+      << options.warmup << " warm-up; overheads and ratios paired per run).\n\n"
       << "| model | tensors | parameters | local step ms | distributed step ms | overhead ms | "
-      << "overhead ratio |\n|---|---:|---:|---:|---:|---:|---:|\n";
+      << "overhead ratio | ratio IQR |\n|---|---:|---:|---:|---:|---:|---:|---:|\n";
   struct Size {
     int depth, width;
   };
@@ -100,13 +107,15 @@ int run_rank(int rank, const std::string& dir, const bench::Options& options) {
   for (const auto size : sizes) {
     Setup<mp::FullPrecision> local(size.depth, size.width, batch, std::nullopt);
     Setup<mp::FullPrecision> dist(size.depth, size.width, batch, mp::DistributedOptions(group));
-    const auto ms = bench::interleaved_medians(
-        {{"local", [&] { local.run(steps); }}, {"distributed", [&] { dist.run(steps); }}}, options);
-    const double local_ms = ms[0] / steps, dist_ms = ms[1] / steps;
+    const auto ms = step_ms(
+        {{"local", [&] { local.run(steps); }}, {"distributed", [&] { dist.run(steps); }}}, steps,
+        options);
+    const auto ratio = bench::paired_ratio(ms[1], ms[0]);
     out << "| MLP " << size.depth << "x" << size.width << " | " << local.net->parameters().size()
-        << " | " << parameter_count(*local.net) << " | " << fixed(local_ms, 3) << " | "
-        << fixed(dist_ms, 3) << " | " << fixed(dist_ms - local_ms, 3) << " | "
-        << fixed(dist_ms / local_ms, 2) << " |\n";
+        << " | " << parameter_count(*local.net) << " | " << fixed(bench::median(ms[0]), 3)
+        << " | " << fixed(bench::median(ms[1]), 3) << " | "
+        << fixed(bench::paired_difference(ms[1], ms[0]).median, 3) << " | "
+        << fixed(ratio.median, 2) << " | " << bench::iqr(ratio, 2) << " |\n";
   }
 
   // Many small tensors: where per-tensor collectives pay their latency again and again.
@@ -118,23 +127,24 @@ int run_rank(int rank, const std::string& dir, const bench::Options& options) {
   Setup<mp::FullPrecision> per_tensor(
       depth, width, batch,
       mp::DistributedOptions(group).bucket_cap_mb(0).first_bucket_cap_mb(0).overlap(false));
-  const auto ms = bench::interleaved_medians(
-      {{"local", [&] { local.run(steps); }},
-       {"bucketed, overlapped", [&] { bucketed.run(steps); }},
-       {"bucketed, after backward", [&] { unoverlapped.run(steps); }},
-       {"per tensor, after backward", [&] { per_tensor.run(steps); }}},
-      options);
-  const double base = ms[0] / steps;
-  const double overhead_bucketed = ms[1] / steps - base, overhead_per_tensor = ms[3] / steps - base;
+  const auto ms = step_ms({{"local", [&] { local.run(steps); }},
+                           {"bucketed, overlapped", [&] { bucketed.run(steps); }},
+                           {"bucketed, after backward", [&] { unoverlapped.run(steps); }},
+                           {"per tensor, after backward", [&] { per_tensor.run(steps); }}},
+                          steps, options);
+  const auto overhead = [&](std::size_t v) {
+    return bench::paired_difference(ms[v], ms[0]).median;
+  };
+  const double overhead_bucketed = overhead(1), overhead_per_tensor = overhead(3);
   out << "\n### Buckets and overlap, MLP " << depth << "x" << width << " ("
       << local.net->parameters().size() << " tensors, " << parameter_count(*local.net)
       << " parameters)\n\n| reduction | step ms | overhead ms |\n|---|---:|---:|\n"
-      << "| none (local step) | " << fixed(base, 3) << " | |\n"
+      << "| none (local step) | " << fixed(bench::median(ms[0]), 3) << " | |\n"
       << "| DDP buckets (25 MiB, first 1 MiB), launched during backward (default) | "
-      << fixed(ms[1] / steps, 3) << " | " << fixed(overhead_bucketed, 3) << " |\n"
-      << "| DDP buckets, launched after backward | " << fixed(ms[2] / steps, 3) << " | "
-      << fixed(ms[2] / steps - base, 3) << " |\n"
-      << "| one allreduce per tensor after backward | " << fixed(ms[3] / steps, 3) << " | "
+      << fixed(bench::median(ms[1]), 3) << " | " << fixed(overhead_bucketed, 3) << " |\n"
+      << "| DDP buckets, launched after backward | " << fixed(bench::median(ms[2]), 3) << " | "
+      << fixed(overhead(2), 3) << " |\n"
+      << "| one allreduce per tensor after backward | " << fixed(bench::median(ms[3]), 3) << " | "
       << fixed(overhead_per_tensor, 3) << " |\n\n"
       << "overhead ratio, per tensor / bucketed and overlapped: **"
       << fixed(overhead_per_tensor / std::max(overhead_bucketed, 1e-6), 2)
@@ -147,31 +157,43 @@ int run_rank(int rank, const std::string& dir, const bench::Options& options) {
     using P = mp::MixedO2<at::BFloat16>;
     Setup<P> fp32(4, w, batch, mp::DistributedOptions(group));
     Setup<P> half(4, w, batch, mp::DistributedOptions(group).reduce_dtype(low));
-    const auto t = bench::interleaved_medians(
-        {{"fp32", [&] { fp32.run(steps); }}, {"16-bit", [&] { half.run(steps); }}}, options);
+    const auto t = step_ms(
+        {{"fp32", [&] { fp32.run(steps); }}, {"16-bit", [&] { half.run(steps); }}}, steps, options);
+    const auto ratio = bench::paired_ratio(t[0], t[1]);
     out << "\n### Reduction dtype, MixedO2<BFloat16>, MLP 4x" << w << "\n\n"
-        << "| reduced in | step ms |\n|---|---:|\n| fp32 (default) | " << fixed(t[0] / steps, 3)
-        << " |\n| " << c10::toString(low) << " | " << fixed(t[1] / steps, 3)
-        << " |\n\nratio fp32 / " << c10::toString(low) << ": " << fixed(t[0] / t[1], 2) << "\n";
+        << "| reduced in | step ms |\n|---|---:|\n| fp32 (default) | "
+        << fixed(bench::median(t[0]), 3) << " |\n| " << c10::toString(low) << " | "
+        << fixed(bench::median(t[1]), 3) << " |\n\nratio fp32 / " << c10::toString(low) << ": "
+        << fixed(ratio.median, 2) << " (IQR " << bench::iqr(ratio, 2) << ")\n";
   }
 
-  // Scaling: the same per-rank batch on 1 process (rank 0 alone, rank 1 waits) and on 2.
+  // Scaling: the same per-rank batch on 1 process (rank 0 alone, rank 1 waits) and on 2,
+  // interleaved; each run starts at a barrier, where rank 1 waits while rank 0 runs alone.
   {
     const int w = options.smoke ? 32 : 512;
     Setup<mp::FullPrecision> alone(4, w, batch, std::nullopt);
     Setup<mp::FullPrecision> both(4, w, batch, mp::DistributedOptions(group));
-    std::vector<double> one_process;
-    if (rank == 0) one_process = bench::interleaved_medians({{"1 process", [&] { alone.run(steps); }}}, options);
-    group->barrier()->wait();  // rank 1 waits for rank 0 to finish alone
-    const auto two = bench::interleaved_medians({{"2 processes", [&] { both.run(steps); }}}, options);
+    const auto t = bench::interleaved_samples(2, options, [&](std::size_t v) {
+      group->barrier()->wait();  // outside the timing
+      const auto start = bench::Clock::now();
+      if (v == 1) {
+        both.run(steps);
+      } else if (rank == 0) {
+        alone.run(steps);
+      }
+      return bench::ms_since(start) / steps;
+    });
     if (rank == 0) {
-      const double t1 = one_process[0] / steps, t2 = two[0] / steps;
+      const double t1 = bench::median(t[0]), t2 = bench::median(t[1]);
+      const auto per_rank = bench::paired_ratio(t[0], t[1]);  // t1 / t2 per run
+      const bench::Quartiles ratio{2 * per_rank.q1, 2 * per_rank.median, 2 * per_rank.q3};
       out << "\n### Scaling, FullPrecision, MLP 4x" << w << ", batch " << batch << " per process\n\n"
           << "| processes | step ms | samples/s |\n|---|---:|---:|\n| 1 | " << fixed(t1, 3)
           << " | " << fixed(batch * 1000.0 / t1, 0) << " |\n| 2 | " << fixed(t2, 3) << " | "
           << fixed(2 * batch * 1000.0 / t2, 0) << " |\n\nthroughput ratio, 2 processes / 1: "
-          << fixed(2 * t1 / t2, 2) << " (bounded by the cores: at most 2 on a 2-core machine, "
-          << "whose cores the 2 processes share with Gloo's threads)\n";
+          << fixed(ratio.median, 2) << " (IQR " << bench::iqr(ratio, 2)
+          << "; bounded by the cores: at most 2 on a 2-core machine, whose cores the 2 processes "
+          << "share with Gloo's threads)\n";
     }
   }
   out << "\nCommand: `./build/default/benchmarks/bench_distributed` (it starts its 2 ranks)\n";
@@ -183,14 +205,9 @@ int run_rank(int rank, const std::string& dir, const bench::Options& options) {
 
 int main(int argc, char** argv) {
   if (argc >= 4 && std::string(argv[1]) == "--rank") {
-    bench::Options options;
-    if (argc == 5 && std::string(argv[4]) == "--smoke") {
-      options.smoke = true;
-      options.warmup = 1;
-      options.repetitions = 3;
-    }
     at::set_num_threads(1);
-    return run_rank(std::stoi(argv[2]), argv[3], options);
+    return run_rank(std::stoi(argv[2]), argv[3],
+                    bench::options_for(argc == 5 && std::string(argv[4]) == "--smoke"));
   }
   const auto options = bench::parse_options(argc, argv);
   const auto self = std::filesystem::canonical("/proc/self/exe").string();

@@ -73,7 +73,7 @@ bool run_table(const std::string& title, const Shape& s, bool empty_sequence, bo
       {"mixprec masked_softmax (memory_efficient)",
        run([&] { return mixprec::ops::masked_softmax(xg, mask, -1, true); })},
   };
-  bench::print_table(title, variants, bench::interleaved_medians(variants, options));
+  bench::print_table(title, variants, bench::interleaved_samples(variants, options));
   return true;
 }
 
@@ -86,9 +86,8 @@ int main(int argc, char** argv) {
       "## bench_ops: masked_softmax against the LibTorch composite\n\n"
       "`at::softmax(x.masked_fill(~mask, lowest), -1)` versus `mixprec::ops::masked_softmax(x, "
       "mask)` on fp32 attention scores, key-padding mask [batch, 1, 1, keys]; results checked "
-      "bitwise equal (fully masked rows aside) before timing. Medians of %d interleaved "
-      "repetitions (%d warm-up), %d intra-op thread(s).\n",
-      options.repetitions, options.warmup, at::get_num_threads());
+      "bitwise equal (fully masked rows aside) before timing. %d intra-op thread(s). %s\n",
+      at::get_num_threads(), bench::method(options).c_str());
   const Shape shape = options.smoke ? Shape{2, 2, 8, 8} : Shape{32, 8, 256, 256};
   // 4 MiB per tensor: below glibc's mmap threshold, so freed buffers are reused without page
   // faults, which is where the composite loses most of its time at the large shape.

@@ -134,27 +134,28 @@ bool main_table(at::ScalarType dtype, std::int64_t count, std::int64_t per_tenso
                        }};
   std::vector<bench::Variant> variants{floors.foreach_mul, floors.loop_mul, mixprec, naive};
   for (const auto& v : variants) check_variant(v, g.grads);
-  auto medians = bench::interleaved_medians(variants, options);
+  auto ms = bench::interleaved_samples(variants, options);
 
-  const bool foreach_faster = medians[0] <= medians[1];
+  const bool foreach_faster = bench::median(ms[0]) <= bench::median(ms[1]);
   if (!foreach_faster) {
     std::swap(variants[0], variants[1]);
-    std::swap(medians[0], medians[1]);
+    std::swap(ms[0], ms[1]);
   }
   const auto title = "Unscale + non-finite check, " + dtype_name(dtype) + " grads: " +
                      elements_name(count * per_tensor) + " elements in " + std::to_string(count) +
                      " tensors of " + elements_name(per_tensor) + ", " +
                      "intra-op threads " + std::to_string(at::get_num_threads());
-  bench::print_table(title, variants, medians);
+  bench::print_table(title, variants, ms);
   const double bytes = static_cast<double>(count * per_tensor) *
                        static_cast<double>(2 * at::elementSize(dtype));  // one read, one write
-  const double vs_floor = medians[2] / medians[0];
-  const double vs_naive = medians[3] / medians[2];
+  const double vs_floor = bench::paired_ratio(ms[2], ms[0]).median;
+  const double vs_naive = bench::paired_ratio(ms[3], ms[2]).median;
   std::printf("\nFloor: %s (the other floor: %.2fx), %.1f GB/s (one read and one write). "
               "mixprec / floor = %.2fx (target <= 1.2x: %s); naive / mixprec = %.1fx (target "
               ">= 10x: %s).\n",
-              foreach_faster ? "`at::_foreach_mul_`" : "a loop of `mul_`", medians[1] / medians[0],
-              bytes / (medians[0] * 1e6), vs_floor, vs_floor <= 1.2 ? "met" : "MISSED", vs_naive,
+              foreach_faster ? "`at::_foreach_mul_`" : "a loop of `mul_`",
+              bench::paired_ratio(ms[1], ms[0]).median, bytes / (bench::median(ms[0]) * 1e6),
+              vs_floor, vs_floor <= 1.2 ? "met" : "MISSED", vs_naive,
               vs_naive >= 10.0 ? "met" : "MISSED");
   return foreach_faster;
 }
@@ -163,8 +164,9 @@ bool main_table(at::ScalarType dtype, std::int64_t count, std::int64_t per_tenso
 void scaling_table(const std::vector<std::int64_t>& totals, std::int64_t per_tensor,
                    bool use_foreach, const bench::Options& options) {
   std::printf("\n### Unscale scaling, fp32 grads in tensors of %s elements, intra-op threads %d\n\n"
-              "| total elements | tensors | floor ms | mixprec ms | ratio to floor | "
-              "floor ns/element | mixprec ns/element |\n|---:|---:|---:|---:|---:|---:|---:|\n",
+              "| total elements | tensors | floor ms | mixprec ms | ratio to floor | ratio IQR | "
+              "floor ns/element | mixprec ns/element |\n"
+              "|---:|---:|---:|---:|---:|---:|---:|---:|\n",
               elements_name(per_tensor).c_str(), at::get_num_threads());
   for (const auto total : totals) {
     const auto count = total / per_tensor;
@@ -182,11 +184,15 @@ void scaling_table(const std::vector<std::int64_t>& totals, std::int64_t per_ten
       const auto more = options.repetitions * std::max<std::int64_t>(1, 64 * kMi / total);
       opts.repetitions = static_cast<int>(std::min<std::int64_t>(101, more));
     }
-    const auto m = bench::interleaved_medians(variants, opts);
+    const auto ms = bench::interleaved_samples(variants, opts);
+    const double floor_ms = bench::median(ms[0]);
+    const double mixprec_ms = bench::median(ms[1]);
+    const auto ratio = bench::paired_ratio(ms[1], ms[0]);
     const double n = static_cast<double>(total);
-    std::printf("| %s | %lld | %.3f | %.3f | %.2f | %.3f | %.3f |\n", elements_name(total).c_str(),
-                static_cast<long long>(count), m[0], m[1], m[1] / m[0], m[0] * 1e6 / n,
-                m[1] * 1e6 / n);
+    std::printf("| %s | %lld | %.3f | %.3f | %.2f | %s | %.3f | %.3f |\n",
+                elements_name(total).c_str(), static_cast<long long>(count), floor_ms, mixprec_ms,
+                ratio.median, bench::iqr(ratio, 2).c_str(), floor_ms * 1e6 / n,
+                mixprec_ms * 1e6 / n);
     std::fflush(stdout);
   }
   std::printf("\nFloor: %s, as in the first table.%s The smaller sizes fit in the CPU caches "
@@ -221,14 +227,14 @@ void aten_table(at::ScalarType dtype, std::int64_t count, std::int64_t per_tenso
                            }};
     std::vector<bench::Variant> variants{aten, mixprec, checked};
     for (const auto& v : variants) check_variant(v, g.grads);
-    const auto m = bench::interleaved_medians(variants, options);
+    const auto ms = bench::interleaved_samples(variants, options);
     if (found.item<float>() != 0.0F) std::abort();  // the data is finite
     bench::print_table("ATen's AMP kernel vs mixprec's pass, " + dtype_name(dtype) + " grads: " +
                            elements_name(count * per_tensor) + " elements, intra-op threads " +
                            std::to_string(threads),
-                       variants, m);
+                       variants, ms);
     std::printf("\nmixprec / ATen = %.2fx; ATen with the output check / ATen = %.2fx.\n",
-                m[1] / m[0], m[2] / m[0]);
+                bench::paired_ratio(ms[1], ms[0]).median, bench::paired_ratio(ms[2], ms[0]).median);
   }
   at::set_num_threads(threads_before);
 #else
@@ -248,8 +254,8 @@ int main(int argc, char** argv) {
 
   std::printf("## bench_scaler: GradScaler::unscale_ (unscale + inf/NaN check)\n\n"
               "Gradients of SGD parameters; each variant multiplies them by 0.5 and 2 in turn. "
-              "Medians of %d interleaved repetitions (%d warm-up).\n",
-              options.repetitions, options.warmup);
+              "%s\n",
+              bench::method(options).c_str());
   const bool foreach_faster = main_table(at::kFloat, count, per_tensor, options);
   (void)main_table(at::kBFloat16, count, per_tensor, options);
   aten_table(at::kFloat, count, per_tensor, options);

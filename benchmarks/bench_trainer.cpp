@@ -53,12 +53,12 @@ void overhead(const bench::Options& options) {
          }
        }},
   };
-  const auto medians = bench::interleaved_medians(variants, options);
+  const auto ms = bench::interleaved_samples(variants, options);
   bench::print_table("Trainer overhead: MLP 256-" + std::to_string(width) + "-" +
                          std::to_string(width) + "-10, batch " + std::to_string(batch) + ", " +
                          std::to_string(steps) + " Adam steps, " +
                          std::to_string(at::get_num_threads()) + " threads",
-                     variants, medians);
+                     variants, ms);
 }
 
 // One policy's training steps; returns the process's peak RSS in MiB.
@@ -73,7 +73,7 @@ double peak_rss_of(bool smoke) {
   for (int i = 0; i < 3; ++i) {
     trainer.step([&] { return torch::nn::functional::cross_entropy(model->forward(trainer.cast_input(x)), y); });
   }
-  return bench::peak_rss_mib();
+  return bench::memory_status().peak;
 }
 
 double run_child(const char* self, const std::string& policy, bool smoke) {
@@ -126,16 +126,17 @@ void fused_vs_unfused(const bench::Options& options) {
       {"Trainer<" + std::string(P::name) + ">, AdamW", loop(unfused, unfused_net)},
       {"the same, fused_optimizer(true)", loop(fused, fused_net)},
   };
-  const auto m = bench::interleaved_medians(variants, options);
+  const auto ms = bench::interleaved_samples(variants, options);
   const auto params = static_cast<long long>(layers) * (width * width + width);
   bench::print_table("Fused AdamW: " + std::string(P::name) + ", " + std::to_string(layers) +
                          " Linear(" + std::to_string(width) + ", " + std::to_string(width) +
                          ") layers (" + std::to_string(params) + " parameters), batch 8, " +
                          std::to_string(steps) + " steps, " + std::to_string(at::get_num_threads()) +
                          " threads",
-                     variants, m);
-  std::printf("\nA fused step is %.2fx faster (target >= 1.3x: %s).\n", m[0] / m[1],
-              m[0] / m[1] >= 1.3 ? "met" : "MISSED");
+                     variants, ms);
+  const auto speed_up = bench::paired_ratio(ms[0], ms[1]);
+  std::printf("\nA fused step is %.2fx faster (IQR %s; target >= 1.3x: %s).\n", speed_up.median,
+              bench::iqr(speed_up, 2).c_str(), speed_up.median >= 1.3 ? "met" : "MISSED");
 #else
   (void)options;
   std::printf("\n### Fused AdamW: %s\n\nLibTorch %s has no fused CPU Adam kernel (2.4 on): "

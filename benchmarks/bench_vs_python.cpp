@@ -49,7 +49,6 @@
 #include <filesystem>
 #include <cstdlib>
 #include <cstring>
-#include <fstream>
 #include <functional>
 #include <iostream>
 #include <memory>
@@ -71,17 +70,9 @@ constexpr std::uint64_t kSeed = 0;
 constexpr std::size_t kBatches = 4;  // distinct batches each loop cycles through
 constexpr const char* kCommand = "./build/default/benchmarks/bench_vs_python";
 
-using Clock = std::chrono::steady_clock;
-
-double ms_since(Clock::time_point start) {
-  return std::chrono::duration<double, std::milli>(Clock::now() - start).count();
-}
-
-std::string fixed(double value, int digits) {
-  char text[64];
-  std::snprintf(text, sizeof text, "%.*f", digits, value);
-  return text;
-}
+using bench::Clock;
+using bench::fixed;
+using bench::ms_since;
 
 // ---------------------------------------------------------------------------------------------
 // The Python child process.
@@ -398,41 +389,16 @@ struct Variant {
   int steps;
 };
 
-/// Milliseconds per training step, [variant][repetition]. The variants run interleaved, in
-/// order in even repetitions and in reverse order in odd ones, so that each one follows each of
-/// its neighbours (C++ or the Python process, whose run evicts the caches) equally often.
-std::vector<std::vector<double>> interleaved_samples(const std::vector<Variant>& variants,
-                                                     int warmup, int repetitions) {
-  std::vector<std::vector<double>> samples(variants.size());
-  for (int rep = -warmup; rep < repetitions; ++rep) {
-    for (std::size_t i = 0; i < variants.size(); ++i) {
-      const std::size_t v = (rep + warmup) % 2 == 0 ? i : variants.size() - 1 - i;
-      const double ms = variants[v].loop->run(variants[v].steps);
-      if (rep >= 0) samples[v].push_back(ms / variants[v].steps);
-    }
-  }
-  return samples;
-}
-
-double quantile(std::vector<double> values, double q) {
-  std::sort(values.begin(), values.end());
-  const double position = q * static_cast<double>(values.size() - 1);
-  const auto below = static_cast<std::size_t>(position);
-  const auto above = std::min(below + 1, values.size() - 1);
-  const double fraction = position - static_cast<double>(below);
-  return values[below] * (1.0 - fraction) + values[above] * fraction;
-}
-
-/// Microseconds per call of `f`: the median of 7 batches of `calls` calls.
-template <class F>
-double us_per_call(int calls, F&& f) {
-  std::vector<double> batches;
-  for (int b = 0; b < 7; ++b) {
-    const auto start = Clock::now();
-    for (int i = 0; i < calls; ++i) f();
-    batches.push_back(ms_since(start) * 1000.0 / calls);
-  }
-  return bench::median(batches);
+/// Milliseconds per training step, [variant][repetition], interleaved in alternating order:
+/// each variant follows each of its neighbours (C++ or the Python process, whose run evicts the
+/// caches) equally often.
+bench::Samples interleaved_samples(const std::vector<Variant>& variants,
+                                   const bench::Options& options, int repetitions) {
+  auto o = options;
+  o.repetitions = repetitions;
+  return bench::interleaved_samples(variants.size(), o, [&](std::size_t v) {
+    return variants[v].loop->run(variants[v].steps) / variants[v].steps;
+  });
 }
 
 /// One comparison: baseline time / mixprec time, paired within each repetition.
@@ -442,11 +408,9 @@ struct Row {
   double target;  // on the ratio
   double mixprec_ms = 0;
   double baseline_ms = 0;
-  double ratio = 0;  // median of the per-repetition ratios
-  double ratio_q1 = 0;
-  double ratio_q3 = 0;
-  bool met() const { return ratio >= target; }
-  bool within_noise() const { return !met() && ratio_q3 >= target; }
+  bench::Quartiles ratio{};  // of the per-repetition ratios
+  bool met() const { return ratio.median >= target; }
+  bool within_noise() const { return !met() && ratio.q3 >= target; }
 };
 
 Row make_row(std::string mixprec, const std::vector<double>& mixprec_ms, std::string baseline,
@@ -454,13 +418,7 @@ Row make_row(std::string mixprec, const std::vector<double>& mixprec_ms, std::st
   Row r{std::move(mixprec), std::move(baseline), target};
   r.mixprec_ms = bench::median(mixprec_ms);
   r.baseline_ms = bench::median(baseline_ms);
-  std::vector<double> ratios;
-  for (std::size_t i = 0; i < mixprec_ms.size(); ++i) {
-    ratios.push_back(baseline_ms[i] / mixprec_ms[i]);
-  }
-  r.ratio = bench::median(ratios);
-  r.ratio_q1 = quantile(ratios, 0.25);
-  r.ratio_q3 = quantile(ratios, 0.75);
+  r.ratio = bench::paired_ratio(baseline_ms, mixprec_ms);
   return r;
 }
 
@@ -470,9 +428,9 @@ void print_rows(const std::vector<Row>& rows) {
   int n = 0;
   for (const auto& r : rows) {
     ++n;
-    std::printf("| %d | %s | %.3f | %s | %.3f | %.3f | %.3f-%.3f | >= %.2f | %s |\n", n,
-                r.mixprec.c_str(), r.mixprec_ms, r.baseline.c_str(), r.baseline_ms, r.ratio,
-                r.ratio_q1, r.ratio_q3, r.target,
+    std::printf("| %d | %s | %.3f | %s | %.3f | %.3f | %s | >= %.2f | %s |\n", n,
+                r.mixprec.c_str(), r.mixprec_ms, r.baseline.c_str(), r.baseline_ms,
+                r.ratio.median, bench::iqr(r.ratio, 3).c_str(), r.target,
                 r.met() ? "yes" : (r.within_noise() ? "no, within noise" : "**no**"));
   }
 }
@@ -529,29 +487,29 @@ struct TrainerParts {
 TrainerParts time_trainer_parts(torch::nn::Module& module, torch::optim::Optimizer& optimizer) {
   TrainerParts parts;
   mixprec::detail::StepEngine scaler(/*allow_fp16=*/false);  // the Trainer's, at scale 1
-  parts.grad_check = us_per_call(200, [&] {
+  parts.grad_check = bench::us_per_call(200, [&] {
     scaler.unscale_planned(optimizer, {});
     scaler.reset_stages();
   });
   const auto weight = torch::ones({}, torch::requires_grad());
   const auto scalar = (weight * 2.0).detach();
-  const double with_loss = us_per_call(200, [&] {
+  const double with_loss = bench::us_per_call(200, [&] {
     scaler.unscale_planned(optimizer, mixprec::detail::UnscalePlan().also_check(scalar));
     scaler.reset_stages();
   });
   parts.loss_check = with_loss - parts.grad_check;
-  const double module_zero = us_per_call(500, [&] { module.zero_grad(); });
-  const double optimizer_zero = us_per_call(500, [&] { optimizer.zero_grad(); });
+  const double module_zero = bench::us_per_call(500, [&] { module.zero_grad(); });
+  const double optimizer_zero = bench::us_per_call(500, [&] { optimizer.zero_grad(); });
   parts.zero_grad = module_zero - optimizer_zero;
-  const double plain = us_per_call(2000, [&] { (weight * 2.0).backward(); });
-  const double viewed = us_per_call(2000, [&] {
+  const double plain = bench::us_per_call(2000, [&] { (weight * 2.0).backward(); });
+  const double viewed = bench::us_per_call(2000, [&] {
     const auto loss32 = (weight * 2.0).to(at::kFloat).reshape({});
     const auto detached = loss32.detach();
     loss32.backward();
   });
   parts.loss_view = viewed - plain;
   parts.guard =
-      us_per_call(20000, [] { auto guard = mixprec::autocast<mixprec::FullPrecision>(); });
+      bench::us_per_call(20000, [] { auto guard = mixprec::autocast<mixprec::FullPrecision>(); });
   return parts;
 }
 
@@ -615,7 +573,7 @@ void print_trainer_build_up(const Workload& w, const bench::Options& options) {
   std::vector<Variant> variants;
   for (auto& loop : loops) variants.push_back({loop.get(), w.steps_fp32});
   const int repetitions = options.smoke ? options.repetitions : w.repetitions;
-  const auto ms = interleaved_samples(variants, options.warmup, repetitions);
+  const auto ms = interleaved_samples(variants, options, repetitions);
   const std::vector<std::string> names = {
       "hand-written loop",
       "+ Module::zero_grad() instead of the optimizer's zero_grad()",
@@ -632,10 +590,8 @@ void print_trainer_build_up(const Workload& w, const bench::Options& options) {
       std::printf("| %s | %.4f | |\n", names[i].c_str(), bench::median(ms[i]));
       continue;
     }
-    std::vector<double> deltas;
-    for (std::size_t r = 0; r < ms[i].size(); ++r) deltas.push_back(ms[i][r] - ms[i - 1][r]);
     std::printf("| %s | %.4f | %+.1f |\n", names[i].c_str(), bench::median(ms[i]),
-                bench::median(deltas) * 1000.0);
+                bench::paired_difference(ms[i], ms[i - 1]).median * 1000.0);
   }
 }
 
@@ -688,7 +644,7 @@ void speed(PythonChild& python, const Workload& w, const bench::Options& options
   const bool control_fp32 = w.steps_fp32 > 1;
   const auto kHandAgain = control_fp32 ? add(hand_again, w.steps_fp32) : 0;
   const int repetitions = options.smoke ? options.repetitions : w.repetitions;
-  const auto ms = interleaved_samples(variants, options.warmup, repetitions);
+  const auto ms = interleaved_samples(variants, options, repetitions);
   // After the same number of steps on the same batches (before the profiling below adds some).
   const std::vector<double> last_loss = {hand.last_loss(),    trainer_fp.last_loss(),
                                          py32.last_loss(),    trainer_o1.last_loss(),
@@ -715,7 +671,8 @@ void speed(PythonChild& python, const Workload& w, const bench::Options& options
   std::printf("\n- Without mixprec: the hand-written LibTorch loop, fp32 %.3f ms/step (ratio "
               "Python / it %.3f); with LibTorch's raw autocast switches, bf16 %.3f ms/step "
               "(ratio %.3f).\n",
-              lib_fp32.mixprec_ms, lib_fp32.ratio, lib_bf16.mixprec_ms, lib_bf16.ratio);
+              lib_fp32.mixprec_ms, lib_fp32.ratio.median, lib_bf16.mixprec_ms,
+              lib_bf16.ratio.median);
   std::optional<Row> lib_composite;
   std::optional<Row> softmax_factor;
   if (w.tagger) {
@@ -724,18 +681,18 @@ void speed(PythonChild& python, const Workload& w, const bench::Options& options
     std::printf("- The same bf16 loop with Python's masked_fill + softmax (bf16) instead of "
                 "ops::masked_softmax<MixedO1> (fp32 inside and out): %.3f ms/step (ratio Python "
                 "/ it %.3f; ops::masked_softmax's loop is %.3fx as fast).\n",
-                lib_composite->mixprec_ms, lib_composite->ratio, softmax_factor->ratio);
+                lib_composite->mixprec_ms, lib_composite->ratio.median,
+                softmax_factor->ratio.median);
   }
   // Noise floors: the same loop twice. Rows 1 and 3 are fp32, row 2 bf16.
   const auto aa_bf16 = make_row("", ms[kHandO1Again], "", ms[kHandO1], 1.0);
   std::optional<Row> aa_fp32;
   if (control_fp32) aa_fp32 = make_row("", ms[kHandAgain], "", ms[kHand], 1.0);
-  std::printf("- A/A controls, a second identical hand-written loop: bf16 ratio %.3f (IQR "
-              "%.3f-%.3f)",
-              aa_bf16.ratio, aa_bf16.ratio_q1, aa_bf16.ratio_q3);
+  std::printf("- A/A controls, a second identical hand-written loop: bf16 ratio %.3f (IQR %s)",
+              aa_bf16.ratio.median, bench::iqr(aa_bf16.ratio, 3).c_str());
   if (aa_fp32) {
-    std::printf(", fp32 ratio %.3f (IQR %.3f-%.3f)", aa_fp32->ratio, aa_fp32->ratio_q1,
-                aa_fp32->ratio_q3);
+    std::printf(", fp32 ratio %.3f (IQR %s)", aa_fp32->ratio.median,
+                bench::iqr(aa_fp32->ratio, 3).c_str());
   }
   std::printf(": differences of this size in the table are noise.\n");
   const double share_fp32 = kernel_share_percent(hand, std::max(1, w.steps_fp32 / 2));
@@ -763,19 +720,19 @@ void speed(PythonChild& python, const Workload& w, const bench::Options& options
   for (std::size_t i = 0; i < rows.size(); ++i) {
     const auto& r = rows[i];
     if (r.met()) continue;
-    std::printf("\n**Row %zu misses its target** (ratio %.3f < %.2f%s). ", i + 1, r.ratio,
+    std::printf("\n**Row %zu misses its target** (ratio %.3f < %.2f%s). ", i + 1, r.ratio.median,
                 r.target,
                 r.within_noise() ? "; the upper quartile reaches it: within noise" : "");
     const Row* aa = i == 1 ? &aa_bf16 : (aa_fp32 ? &*aa_fp32 : nullptr);
-    if (aa != nullptr && std::abs(r.target - r.ratio) <= std::abs(1.0 - aa->ratio)) {
+    if (aa != nullptr && std::abs(r.target - r.ratio.median) <= std::abs(1.0 - aa->ratio.median)) {
       std::printf("The shortfall is no larger than the A/A control's deviation (%.3f). ",
-                  aa->ratio);
+                  aa->ratio.median);
     }
     if (i == 2) {
       const bool cheap = w.steps_fp32 >= 10;
       std::printf("Cause: the Trainer's extra work, %+.1f us/step (%.1f%% of the hand-written "
                   "loop's step)%s\n",
-                  trainer_extra_us, 100.0 * (1.0 / r.ratio - 1.0),
+                  trainer_extra_us, 100.0 * (1.0 / r.ratio.median - 1.0),
                   cheap ? "; measured part by part in the table below."
                         : "; the parts timed alone are listed above.");
       build_up = build_up || cheap;
@@ -783,10 +740,10 @@ void speed(PythonChild& python, const Workload& w, const bench::Options& options
     }
     // Row ratio = (LibTorch vs Python, same ops) x (masked_softmax vs composite) x (Trainer vs
     // hand), each factor measured.
-    const double lib =
-        i == 0 ? lib_fp32.ratio : (lib_composite ? lib_composite->ratio : lib_bf16.ratio);
-    const double softmax = i == 1 && softmax_factor ? softmax_factor->ratio : 1.0;
-    const double trainer = i == 0 ? rows[2].ratio : trainer_o1_vs_hand.ratio;
+    const Row& lib_row = i == 0 ? lib_fp32 : (lib_composite ? *lib_composite : lib_bf16);
+    const double lib = lib_row.ratio.median;
+    const double softmax = i == 1 && softmax_factor ? softmax_factor->ratio.median : 1.0;
+    const double trainer = (i == 0 ? rows[2] : trainer_o1_vs_hand).ratio.median;
     std::printf("Cause, as measured factors of the ratio: LibTorch vs Python running the same "
                 "ops %.3f",
                 lib);
@@ -832,48 +789,6 @@ void speed(PythonChild& python, const Workload& w, const bench::Options& options
 // ---------------------------------------------------------------------------------------------
 // Memory: each measurement in a child process of its own.
 
-/// Fields of /proc/self/status, in MiB.
-struct MemoryStatus {
-  double rss = 0;   // VmRSS
-  double peak = 0;  // VmHWM
-  double file = 0;  // RssFile + RssShmem: mapped files (code) and shared memory
-};
-
-MemoryStatus memory_status() {
-  std::ifstream status("/proc/self/status");
-  MemoryStatus m;
-  std::string key;
-  while (status >> key) {
-    double kib = 0;
-    if (key == "VmRSS:" || key == "VmHWM:" || key == "RssFile:" || key == "RssShmem:") {
-      status >> kib;
-      if (key == "VmRSS:") m.rss = kib / 1024.0;
-      if (key == "VmHWM:") m.peak = kib / 1024.0;
-      if (key == "RssFile:" || key == "RssShmem:") m.file += kib / 1024.0;
-    }
-  }
-  return m;
-}
-
-/// Resident anonymous memory in MiB (resident minus shared pages), cheap enough to poll.
-double anonymous_mib() {
-  std::ifstream statm("/proc/self/statm");
-  long size = 0;
-  long resident = 0;
-  long shared = 0;
-  statm >> size >> resident >> shared;
-  return static_cast<double>(resident - shared) * static_cast<double>(sysconf(_SC_PAGESIZE)) /
-         (1024.0 * 1024.0);
-}
-
-/// Makes VmHWM restart from the current RSS (Linux >= 4.0).
-bool reset_peak_rss() {
-  std::ofstream clear_refs("/proc/self/clear_refs");
-  clear_refs << "5";
-  clear_refs.flush();
-  return static_cast<bool>(clear_refs);
-}
-
 models::TaggerConfig compute_bound_config(bool smoke) {
   models::TaggerConfig c;
   if (smoke) {
@@ -916,12 +831,12 @@ int memory_child(std::int64_t batch, double budget_mib, int steps, bool composit
 
   std::atomic<bool> done{false};
   std::thread watchdog;
-  const auto before = memory_status();
-  const double anonymous_before = anonymous_mib();
+  const auto before = bench::memory_status();
+  const double anonymous_before = bench::anonymous_mib();
   if (budget_mib > 0) {
     watchdog = std::thread([&] {
       while (!done.load()) {
-        const double growth = anonymous_mib() - anonymous_before;
+        const double growth = bench::anonymous_mib() - anonymous_before;
         if (growth > budget_mib) {
           std::printf("over %.1f\n", growth);
           std::fflush(stdout);
@@ -931,11 +846,11 @@ int memory_child(std::int64_t batch, double budget_mib, int steps, bool composit
       }
     });
   }
-  const bool reset = reset_peak_rss();
+  const bool reset = bench::reset_peak_rss();
   for (int i = 0; i < steps; ++i) {
     trainer.step([&] { return net.loss(1); });
   }
-  const auto after = memory_status();
+  const auto after = bench::memory_status();
   done.store(true);
   if (watchdog.joinable()) watchdog.join();
   if (!reset) {
