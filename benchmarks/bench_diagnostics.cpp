@@ -86,7 +86,9 @@ void skipped_step(const bench::Options& options, const std::vector<bench::models
   auto clean = make(0);
   auto skip = make(0);
   mixprec::Trainer<mixprec::FullPrecision> clean_trainer(clean.model, *clean.optimizer);
-  mixprec::Trainer<mixprec::FullPrecision> skip_trainer(skip.model, *skip.optimizer);
+  // Every step skips on purpose: no limit on skips in a row.
+  mixprec::Trainer<mixprec::FullPrecision> skip_trainer(
+      skip.model, *skip.optimizer, mixprec::TrainerOptions().max_consecutive_skips(0));
   const double inf = std::numeric_limits<double>::infinity();
   const std::vector<bench::Variant> variants = {
       {"clean step", [&] {

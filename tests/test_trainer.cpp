@@ -582,6 +582,47 @@ struct StaticO2 : mp::MixedO2<at::BFloat16> {
 
 }  // namespace
 
+TEST_CASE("Trainer<P>::Options: TrainerOptions' settings, typed by the policy, converted whole") {
+  // What P cannot take does not compile (tests/compile_fail/options_*.cpp); what it can is
+  // passed on to the Trainer unchanged, every setting of it.
+  int steps_seen = 0;
+  auto typed = mp::Trainer<StaticO2>::Options()
+                   .accumulation_steps(2)
+                   .max_grad_norm(3.0)
+                   .scaler(mp::GradScalerOptions().init_scale(512))
+                   .on_step([&](const mp::StepReport&) { ++steps_seen; })
+                   .find_non_finite_op(true)
+                   .gradient_stats(mp::GradientStatsOptions().every(5).group_depth(1))
+                   .max_consecutive_skips(7);
+  const mp::TrainerOptions plain(typed);
+  CHECK(plain.accumulation_steps() == 2);
+  CHECK(plain.max_grad_norm() == 3.0);
+  REQUIRE(plain.scaler().has_value());
+  CHECK(plain.scaler()->init_scale() == 512);
+  CHECK(plain.find_non_finite_op());
+  CHECK(plain.gradient_stats().every() == 5);
+  CHECK(plain.gradient_stats().group_depth() == 1);
+  CHECK(plain.max_consecutive_skips() == 7);
+  CHECK_FALSE(plain.fused_optimizer());
+  const Task task;
+  torch::manual_seed(0);
+  auto net = std::make_shared<Net>();
+  torch::optim::Adam adam(net->parameters(), torch::optim::AdamOptions(1e-2));
+  mp::Trainer<StaticO2> trainer(net, adam, typed);
+  CHECK(trainer.scaler().get_scale() == 512);
+  CHECK(trainer.options().accumulation_steps() == 2);
+  const auto x = task.x.slice(0, 0, 32), y = task.y.slice(0, 0, 32);
+  CHECK(trainer.step(loss_of(trainer, net, x, y)).status == mp::StepStatus::accumulating);
+  CHECK(trainer.step(loss_of(trainer, net, x, y)).status == mp::StepStatus::stepped);
+  CHECK(steps_seen == 2);
+  // A ModuleHolder takes them too.
+  torch::nn::Sequential seq(torch::nn::Linear(16, 4));
+  torch::optim::SGD sgd(seq->parameters(), torch::optim::SGDOptions(0.1));
+  mp::Trainer<mp::FullPrecision> holder(seq, sgd,
+                                        mp::Trainer<mp::FullPrecision>::Options().accumulation_steps(3));
+  CHECK(holder.options().accumulation_steps() == 3);
+}
+
 TEST_CASE("a StaticScaler policy trains bit-identically to the unscaled one and checkpoints its scale") {
   const Task task;
   torch::manual_seed(0);

@@ -40,6 +40,7 @@
 #include <torch/serialize/archive.h>
 
 #include <cmath>
+#include <concepts>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -62,6 +63,8 @@ class Trainer {
  public:
   using policy = P;
   using scaler_type = typename P::scaler_type;
+  /// Options typed by the policy: what P cannot take does not compile (trainer_options.hpp).
+  using Options = BasicTrainerOptions<P>;
 
   /// Casts the model as P says and, for MixedO2, rebinds the optimizer to fp32 master weights.
   /// The model must be fp32, trained by no other live Trainer, and the optimizer built on its
@@ -85,12 +88,23 @@ class Trainer {
     detail::warn_slow_fp16_convolutions<P>(*model_, options_, tensors_.device_types());
   }
 
+  /// With the policy's own Options (a template only so that `{}` stays TrainerOptions).
+  template <std::same_as<P> Q>
+  Trainer(std::shared_ptr<torch::nn::Module> model, torch::optim::Optimizer& optimizer,
+          const BasicTrainerOptions<Q>& options)
+      : Trainer(std::move(model), optimizer, TrainerOptions(options)) {}
+
   /// For a ModuleHolder such as torch::nn::Sequential.
   template <class Impl>
   Trainer(torch::nn::ModuleHolder<Impl>& model, torch::optim::Optimizer& optimizer,
           TrainerOptions options = {})
       : Trainer(std::static_pointer_cast<torch::nn::Module>(model.ptr()), optimizer,
                 std::move(options)) {}
+  template <class Impl, std::same_as<P> Q>
+  Trainer(torch::nn::ModuleHolder<Impl>& model, torch::optim::Optimizer& optimizer,
+          const BasicTrainerOptions<Q>& options)
+      : Trainer(std::static_pointer_cast<torch::nn::Module>(model.ptr()), optimizer,
+                TrainerOptions(options)) {}
 
   /// One micro-batch: runs loss_fn (the forward pass, returning a scalar loss) under the
   /// policy's autocast, backpropagates the scaled loss, and every accumulation_steps calls
