@@ -477,8 +477,8 @@ double kernel_share_percent(Loop& loop, int steps) {
 /// `module`. In the training loop the same work costs more: its code and data are cold there.
 struct TrainerParts {
   double grad_check = 0;  // NoScaler's read-only inf/NaN pass over the gradients
-  double loss_check = 0;  // the inf/NaN check of the loss (the Trainer's also_check)
-  double zero_grad = 0;   // Module::zero_grad over Optimizer::zero_grad
+  double loss_check = 0;  // the inf/NaN check of the loss: one read of it on the CPU
+  double zero_grad = 0;   // gradients set to none per tensor over Optimizer::zero_grad
   double loss_view = 0;   // loss.to(kFloat).reshape({}) and detach, forward and backward
   double guard = 0;       // autocast<FullPrecision> scope
   double sum() const { return grad_check + loss_check + zero_grad + loss_view + guard; }
@@ -493,12 +493,10 @@ TrainerParts time_trainer_parts(torch::nn::Module& module, torch::optim::Optimiz
   });
   const auto weight = torch::ones({}, torch::requires_grad());
   const auto scalar = (weight * 2.0).detach();
-  const double with_loss = bench::us_per_call(200, [&] {
-    scaler.unscale_planned(optimizer, mixprec::detail::UnscalePlan().also_check(scalar));
-    scaler.reset_stages();
-  });
-  parts.loss_check = with_loss - parts.grad_check;
-  const double module_zero = bench::us_per_call(500, [&] { module.zero_grad(); });
+  volatile bool finite = true;
+  parts.loss_check = bench::us_per_call(2000, [&] { finite = std::isfinite(scalar.item<double>()); });
+  const auto params = mixprec::detail::unique_tensors(module.parameters());
+  const double module_zero = bench::us_per_call(500, [&] { mixprec::detail::clear_grads(params); });
   const double optimizer_zero = bench::us_per_call(500, [&] { optimizer.zero_grad(); });
   parts.zero_grad = module_zero - optimizer_zero;
   const double plain = bench::us_per_call(2000, [&] { (weight * 2.0).backward(); });
@@ -514,20 +512,22 @@ TrainerParts time_trainer_parts(torch::nn::Module& module, torch::optim::Optimiz
 }
 
 /// The hand-written fp32 loop with the Trainer's extra work added stage by stage:
-/// 1 Module::zero_grad instead of the optimizer's, 2 the loss as an fp32 0-dim view and its
-/// detached copy, 3 NoScaler's check of the gradients before the step, 4 the loss check too.
+/// 1 the gradients set to none tensor by tensor instead of the optimizer's zero_grad, 2 the loss
+/// as an fp32 0-dim view and its detached copy, 3 the Trainer's finiteness pass over the
+/// gradients before the step, 4 the loss check too (one read on the CPU).
 class BuildUpLoop : public Loop {
  public:
   BuildUpLoop(models::Bound net, int stage)
       : net_(std::move(net)),
         optimizer_(net_.module->parameters(), torch::optim::AdamOptions(1e-3)),
+        params_(mixprec::detail::unique_tensors(net_.module->parameters())),
         stage_(stage) {}
 
   double run(int steps) override {
     const auto start = Clock::now();
     for (int i = 0; i < steps; ++i) {
       if (stage_ >= 1) {
-        net_.module->zero_grad();
+        mixprec::detail::clear_grads(params_);
       } else {
         optimizer_.zero_grad();
       }
@@ -540,7 +540,7 @@ class BuildUpLoop : public Loop {
       if (stage_ >= 3) {
         scaler_.scale(loss).backward();
         mixprec::detail::UnscalePlan unscale;
-        if (stage_ >= 4) unscale.also_check(detached);
+        if (stage_ >= 4 && !std::isfinite(detached.item<double>())) unscale.also_check(detached);
         scaler_.unscale_planned(optimizer_, unscale);
         scaler_.step(optimizer_);
         scaler_.reset_stages();
@@ -556,6 +556,7 @@ class BuildUpLoop : public Loop {
  private:
   models::Bound net_;
   torch::optim::Adam optimizer_;
+  std::vector<at::Tensor> params_;  // each tensor once, as the Trainer keeps them
   mixprec::detail::StepEngine scaler_{/*allow_fp16=*/false};  // the Trainer's, at scale 1
   int stage_;
   std::size_t cursor_ = 0;
@@ -576,10 +577,10 @@ void print_trainer_build_up(const Workload& w, const bench::Options& options) {
   const auto ms = interleaved_samples(variants, options, repetitions);
   const std::vector<std::string> names = {
       "hand-written loop",
-      "+ Module::zero_grad() instead of the optimizer's zero_grad()",
+      "+ gradients set to none tensor by tensor instead of the optimizer's zero_grad()",
       "+ loss.to(kFloat).reshape({}) and loss.detach() for the report",
-      "+ NoScaler: scale, unscale_ (read-only inf/NaN pass over the gradients), step, update",
-      "+ the loss check (also_check): isfinite, logical_not, any, to, add_, clamp_max_",
+      "+ the step engine at scale 1: finiteness pass over the gradients (bits only), step",
+      "+ the loss check: one read of the fp32 loss (also_check only where it is inf/NaN)",
       "Trainer<FullPrecision>::step (adds the autocast guard and the report)"};
   std::printf("\nRow 3, where the time goes: the hand-written loop with the Trainer's extra work "
               "added step by step (fp32, interleaved, medians; the differences are paired "
@@ -698,14 +699,15 @@ void speed(PythonChild& python, const Workload& w, const bench::Options& options
   const double share_fp32 = kernel_share_percent(hand, std::max(1, w.steps_fp32 / 2));
   const double share_bf16 = kernel_share_percent(hand_o1, std::max(1, w.steps_bf16 / 2));
   std::printf("- Matrix products and convolutions (aten::mm/addmm/bmm/convolution, forward and "
-              "backward) take %.0f%% of the hand-written loop's step in fp32 (Debian's "
-              "reference libblas for fp32 matrix products) and %.0f%% in bf16 (oneDNN).\n",
+              "backward) take %.0f%% of the hand-written loop's step in fp32 and %.0f%% in bf16 "
+              "(the BLAS and oneDNN of this LibTorch: the file's header names them).\n",
               share_fp32, share_bf16);
   const auto parts = time_trainer_parts(*hand.net().module, trainer_fp.optimizer());
   const double trainer_extra_us = (rows[0].mixprec_ms - rows[2].baseline_ms) * 1000.0;
   std::printf("- Trainer<FullPrecision> - hand-written loop: %+.1f us/step (medians). Its extra "
               "work, each part timed alone in a tight loop: inf/NaN check of the loss %.1f us, "
-              "of the gradients %.1f us, Module::zero_grad instead of the optimizer's %.1f us, "
+              "of the gradients %.1f us, gradients set to none per tensor instead of the "
+              "optimizer's zero_grad %.1f us, "
               "loss .to(kFloat).reshape({}) and detach %.1f us, autocast guard %.2f us.\n",
               trainer_extra_us, parts.loss_check, parts.grad_check, parts.zero_grad,
               parts.loss_view, parts.guard);

@@ -7,16 +7,14 @@
 #include <mixprec/scaler.hpp>
 
 #include <ATen/core/Tensor.h>
-#include <torch/arg.h>
-
-#include <concepts>
-#include <type_traits>
 
 #include <cstdint>
 #include <functional>
 #include <optional>
 #include <ostream>
 #include <string>
+#include <type_traits>
+#include <utility>
 
 namespace mixprec {
 
