@@ -1226,6 +1226,15 @@ TEST_CASE("distributed: bad DistributedOptions are an Error before the model cha
                              mp::TrainerOptions().distributed(mp::DistributedOptions({}))),
                          doctest::Contains("null process group"), mp::Error);
   }
+  SUBCASE("a null process group, through the policy's Options (which convert with it)") {
+    using Trainer = mp::Trainer<mp::MixedO1<at::BFloat16>>;
+    const auto options = Trainer::Options().distributed(mp::DistributedOptions({}));
+    REQUIRE(options.distributed() != nullptr);
+    CHECK(mp::TrainerOptions(options).distributed() != nullptr);
+    CHECK(mp::TrainerOptions().distributed() == nullptr);
+    CHECK_THROWS_WITH_AS(Trainer(net, *optimizer, options),
+                         doctest::Contains("null process group"), mp::Error);
+  }
   SUBCASE("a reduce dtype that is not fp32, bf16 or fp16") {
     CHECK_THROWS_WITH_AS(mp::Trainer<mp::FullPrecision>(net, *optimizer,
                              mp::TrainerOptions().distributed(

@@ -13,6 +13,7 @@
 
 #include <mixprec/compat.hpp>
 #include <mixprec/detail/checkpoint_file.hpp>
+#include <mixprec/detail/step_group.hpp>
 #include <mixprec/detail/tensor_set.hpp>
 #include <mixprec/error.hpp>
 
@@ -108,7 +109,7 @@ inline std::uint64_t module_fingerprint(const torch::nn::Module& module) {
 /// Gradient averaging across the ranks of a process group, with DDP's buckets and overlap;
 /// the Trainer drives it (see TrainerOptions::distributed), a custom loop can too: bind(), then
 /// per optimizer step prepare(true), backward, finish(), and agree() on the inf flag.
-class DataParallel {
+class DataParallel final : public detail::StepGroup {
  public:
   /// Checks that every rank holds a model of the same structure (an Error on every rank if
   /// not), then copies rank 0's parameters and buffers to every rank. Collective.
@@ -136,21 +137,22 @@ class DataParallel {
     broadcast_from_rank0(model, /*parameters=*/true);
   }
 
-  ~DataParallel() { unbind(); }
+  ~DataParallel() override { unbind(); }
   DataParallel(const DataParallel&) = delete;
   DataParallel& operator=(const DataParallel&) = delete;
 
-  int rank() const noexcept { return state_->rank; }
+  int rank() const noexcept override { return state_->rank; }
   /// The model's device, where the collectives' tensors live (NCCL reduces CUDA tensors only).
-  at::Device device() const noexcept { return device_; }
-  int world_size() const noexcept { return state_->world; }
+  at::Device device() const noexcept override { return device_; }
+  int world_size() const noexcept override { return state_->world; }
   const DistributedOptions& options() const noexcept { return options_; }
+  bool broadcast_buffers() const noexcept override { return options_.broadcast_buffers(); }
 
   /// An Error on every rank unless every rank's model has the same tensors: names, shapes,
   /// dtypes and requires_grad, parameter by parameter and buffer by buffer. Collective (one
   /// all_gather); the constructor runs it, and the Trainer whenever it rebinds the gradients
   /// (a parameter frozen or unfrozen).
-  void check_same_model(const torch::nn::Module& model) {
+  void check_same_model(const torch::nn::Module& model) override {
     const auto mine = static_cast<std::int64_t>(detail::module_fingerprint(model));
     const auto n = static_cast<std::int64_t>(model.named_parameters().size() +
                                              model.named_buffers().size());
@@ -170,7 +172,8 @@ class DataParallel {
   /// `holders[i].grad()` is the average over ranks of params[i]'s gradient (plus what
   /// holders[i].grad() had accumulated, when holders[i] is another tensor, an fp32 master).
   /// Replaces an earlier binding. Collective: every rank must bind the same shapes.
-  void bind(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& holders) {
+  void bind(const std::vector<at::Tensor>& params,
+            const std::vector<at::Tensor>& holders) override {
     MIXPREC_CHECK(params.size() == holders.size(), "DataParallel::bind needs one holder per "
                   "parameter, got ", holders.size(), " for ", params.size());
     std::int64_t total = 0;
@@ -227,7 +230,7 @@ class DataParallel {
 
   /// Before a backward pass: `sync` on the micro-batch after which gradients are reduced
   /// (the last of an accumulation); before the others nothing is communicated.
-  void prepare(bool sync) {
+  void prepare(bool sync) override {
     std::lock_guard<std::mutex> lock(state_->mutex);
     auto& s = *state_;
     s.active = sync && !s.slots.empty();
@@ -245,7 +248,7 @@ class DataParallel {
   /// gradient on this rank counts as zeros), waits, and writes the averages into the holders'
   /// gradients. A tensor with no gradient on any rank keeps its undefined gradient, as in one
   /// process.
-  void finish() {
+  void finish() override {
     std::lock_guard<std::mutex> lock(state_->mutex);
     auto& s = *state_;
     if (!s.active) return;
@@ -316,7 +319,7 @@ class DataParallel {
   /// the same step() call. A rank that went on after its step() threw is one call ahead: its
   /// gradients were averaged with the others' previous step, and every rank gets this Error
   /// before anything steps.
-  void agree_step(at::Tensor& found_inf, std::int64_t calls) {
+  void agree_step(at::Tensor& found_inf, std::int64_t calls) override {
     const auto mine = static_cast<double>(calls % (std::int64_t{1} << 24));  // exact in fp32
     auto flags = at::cat({found_inf.reshape({1}).to(at::kFloat),
                           at::tensor({mine, -mine}, at::kFloat).to(found_inf.device())});
@@ -332,14 +335,14 @@ class DataParallel {
   }
 
   /// Whether `local` is true on any rank.
-  bool any(bool local) {
+  bool any(bool local) override {
     auto flag = at::full({1}, local ? 1.0F : 0.0F, at::kFloat).to(device());
     agree(flag);
     return flag.item<float>() != 0.0F;
   }
 
   /// `value` of every rank, in rank order (same shape and dtype on every rank).
-  std::vector<at::Tensor> all_gather(const at::Tensor& value) {
+  std::vector<at::Tensor> all_gather(const at::Tensor& value) override {
     const auto bits = as_bits(value.contiguous());
     std::vector<std::vector<at::Tensor>> outputs(1);
     for (int r = 0; r < world_size(); ++r) outputs[0].push_back(at::empty_like(bits));
@@ -362,7 +365,7 @@ class DataParallel {
   }
 
   /// Copies rank 0's buffers to every rank (or, with `parameters`, its parameters too).
-  void broadcast_from_rank0(torch::nn::Module& model, bool parameters = false) {
+  void broadcast_from_rank0(torch::nn::Module& model, bool parameters = false) override {
     std::vector<at::Tensor> tensors;
     if (parameters) {
       for (const auto& p : model.parameters()) tensors.push_back(p);
@@ -522,5 +525,15 @@ class DataParallel {
   std::vector<decltype(torch::autograd::impl::grad_accumulator(at::Tensor()))> accumulators_;
   std::vector<std::uintptr_t> hook_keys_;
 };
+
+namespace detail {
+template <>
+struct StepGroupFactory<DistributedOptions> {
+  static std::unique_ptr<StepGroup> make(torch::nn::Module& model,
+                                         const DistributedOptions& options) {
+    return std::make_unique<DataParallel>(model, options);
+  }
+};
+}  // namespace detail
 
 }  // namespace mixprec

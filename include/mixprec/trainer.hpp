@@ -17,12 +17,12 @@
 
 #include <mixprec/autocast.hpp>
 #include <mixprec/concepts.hpp>
+#include <mixprec/detail/step_group.hpp>
 #include <mixprec/detail/trained_tensors.hpp>
 #include <mixprec/detail/trainer_setup.hpp>
 #include <mixprec/detail/trainer_state.hpp>
 #include <mixprec/detail/unscale.hpp>
 #include <mixprec/diagnostics.hpp>
-#include <mixprec/distributed.hpp>
 #include <mixprec/error.hpp>
 #include <mixprec/fused_adam.hpp>
 #include <mixprec/master_weights.hpp>
@@ -80,8 +80,8 @@ class Trainer {
     // All checks passed: from here on the model and optimizer change. Data parallel
     // (collective): the same model on every rank, then rank 0's values everywhere, before the
     // masters are made from them.
-    if (options_.distributed()) {
-      data_parallel_ = std::make_unique<DataParallel>(*model_, *options_.distributed());
+    if (const auto* distributed = options_.distributed()) {
+      data_parallel_ = options_.settings().make_step_group(*model_, *distributed);
     }
     tensors_.take(*model_, optimizer);
     if (data_parallel_) tensors_.bind(*data_parallel_, *model_);
@@ -182,7 +182,9 @@ class Trainer {
     if (masters && n == 1 && !data_parallel_) {
       unscale.grads_from(masters->grad_sources());  // else in place
     }
-    if (data_parallel_) unscale.agree([this](at::Tensor& found) { data_parallel_->agree_step(found, calls_); });
+    if (data_parallel_) {
+      unscale.agree([this](at::Tensor& found) { data_parallel_->agree_step(found, calls_); });
+    }
     // A NaN loss can have finite gradients. On the CPU the check is a read of one float; on a
     // device it joins the gradients' inf check, without a synchronisation.
     if (!loss_sum_.device().is_cpu() || !std::isfinite(loss_sum_.item<double>())) {
@@ -406,10 +408,10 @@ class Trainer {
 
   // Rank 0's buffers on every rank, unless they are already (nothing ran a forward since).
   void sync_buffers() {
-    if (buffers_synced_ || !data_parallel_ || !data_parallel_->options().broadcast_buffers()) {
+    if (buffers_synced_ || !data_parallel_ || !data_parallel_->broadcast_buffers()) {
       return;
     }
-    data_parallel_->broadcast_from_rank0(*model_);
+    data_parallel_->broadcast_from_rank0(*model_, /*parameters=*/false);
     buffers_synced_ = true;
   }
 
@@ -430,7 +432,7 @@ class Trainer {
   TrainerOptions options_;
   scaler_type scaler_;
   detail::TrainedTensors<P> tensors_;
-  std::unique_ptr<DataParallel> data_parallel_;  // with TrainerOptions::distributed
+  std::unique_ptr<detail::StepGroup> data_parallel_;  // with TrainerOptions::distributed
   // The gradient passes, with the scaler's scale; fp16 gradients in place where the model is
   // cast without masters (PureHalf<Half>).
   detail::StepEngine engine_{P::cast_model && !P::master_weights};

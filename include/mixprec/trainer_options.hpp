@@ -1,15 +1,17 @@
 #pragma once
 // What a Trainer is told and what it tells: TrainerOptions, StepReport, TrainerStats.
 
+#include <mixprec/detail/step_group.hpp>
 #include <mixprec/diagnostics.hpp>
-#include <mixprec/distributed.hpp>
 #include <mixprec/policy.hpp>
 #include <mixprec/scaler.hpp>
 
 #include <ATen/core/Tensor.h>
 
+#include <concepts>
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <optional>
 #include <ostream>
 #include <string>
@@ -71,7 +73,8 @@ struct TrainerSettings {
   std::optional<GradScalerOptions> scaler;
   std::function<void(const StepReport&)> on_step;
   bool fused_optimizer = false;
-  std::optional<DistributedOptions> distributed;
+  std::shared_ptr<const DistributedOptions> distributed;  // null: one process
+  MakeStepGroup make_step_group = nullptr;                 // set with `distributed`
   bool find_non_finite_op = false;
   GradientStatsOptions gradient_stats;
   std::function<void(const std::string&)> on_warning;
@@ -154,7 +157,16 @@ class BasicTrainerOptions {
   /// Data-parallel training over a c10d process group (docs/distributed.md): gradients are
   /// averaged across ranks before unscaling, every rank steps or skips alike, rank 0 writes
   /// the checkpoints. Every rank must construct its Trainer and call step/save/load alike.
-  MIXPREC_TRAINER_OPTION(std::optional<DistributedOptions>, distributed)
+  /// DistributedOptions comes with <mixprec/distributed.hpp>: a Trainer in one process
+  /// compiles without c10d's headers (a template only for that reason).
+  template <std::same_as<DistributedOptions> D>
+  BasicTrainerOptions& distributed(D value) {
+    settings_.distributed = std::make_shared<const D>(std::move(value));
+    settings_.make_step_group = &detail::StepGroupFactory<D>::make;
+    return *this;
+  }
+  /// The data-parallel settings; null: one process.
+  const DistributedOptions* distributed() const noexcept { return settings_.distributed.get(); }
 
   /// Debugging: watch every op of each forward pass (loss_fn) and report the first whose output
   /// held inf/NaN in StepReport::non_finite_op. Slow: it reads every op's output (on a device,

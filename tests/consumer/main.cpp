@@ -1,9 +1,19 @@
-// A downstream program: uses a policy and the autocast guard, exits 0 when both behave.
+// A downstream program: an autocast guard, and a data-parallel step over a Gloo group of one
+// rank through mixprec::distributed (its definitions and include paths, as installed). Exits 0
+// when both behave.
 #include <mixprec/mixprec.hpp>
+#include <mixprec/process_group.hpp>
 
 #include <ATen/ATen.h>
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
+#include <torch/nn/modules/linear.h>
+#include <torch/optim/sgd.h>
 
 #include <iostream>
+
+#ifndef USE_C10D_GLOO
+#error "mixprec::distributed did not define USE_C10D_GLOO on a machine with Gloo's headers"
+#endif
 
 int main() {
   using Policy = mixprec::MixedO1<at::BFloat16>;
@@ -16,5 +26,17 @@ int main() {
   const auto outside = at::mm(a, a);
   std::cout << "mixprec " << mixprec::version << " " << Policy::name << ": "
             << inside.scalar_type() << " inside, " << outside.scalar_type() << " outside\n";
-  return inside.scalar_type() == at::kBFloat16 && outside.scalar_type() == at::kFloat ? 0 : 1;
+  const bool autocast_ok =
+      inside.scalar_type() == at::kBFloat16 && outside.scalar_type() == at::kFloat;
+
+  torch::nn::Linear model(4, 2);
+  torch::optim::SGD optimizer(model->parameters(), /*lr=*/0.5);
+  const auto before = model->weight.detach().clone();
+  auto group = mixprec::gloo_group(c10::make_intrusive<c10d::HashStore>(), 0, 1);
+  mixprec::Trainer<Policy> trainer(
+      model, optimizer, mixprec::TrainerOptions().distributed(mixprec::DistributedOptions(group)));
+  const auto report = trainer.step([&] { return model->forward(a).square().mean(); });
+  const bool step_ok = report.stepped() && !model->weight.detach().equal(before);
+  std::cout << "data parallel over Gloo (1 rank): " << report.status << "\n";
+  return autocast_ok && step_ok ? 0 : 1;
 }

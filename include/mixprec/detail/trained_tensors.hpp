@@ -5,10 +5,10 @@
 
 #include <mixprec/autocast.hpp>
 #include <mixprec/diagnostics.hpp>
-#include <mixprec/distributed.hpp>
 #include <mixprec/error.hpp>
 #include <mixprec/master_weights.hpp>
 #include <mixprec/detail/model_cast.hpp>
+#include <mixprec/detail/step_group.hpp>
 #include <mixprec/detail/tensor_set.hpp>
 #include <mixprec/detail/trainer_setup.hpp>
 
@@ -151,7 +151,7 @@ class TrainedTensors {
   /// Every trainable model tensor's gradient is averaged into its master's (MixedO2) or its
   /// own. First the ranks compare their models tensor by tensor: ranks that froze different
   /// tensors of the same shapes would otherwise average one tensor's gradient with another's.
-  void bind(DataParallel& group, const torch::nn::Module& model) {
+  void bind(StepGroup& group, const torch::nn::Module& model) {
     group.check_same_model(model);
     std::vector<at::Tensor> params, holders;
     std::vector<TensorId> trainable;

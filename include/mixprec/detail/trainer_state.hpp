@@ -6,7 +6,7 @@
 #include <mixprec/detail/atomic_file.hpp>
 #include <mixprec/detail/checkpoint_file.hpp>
 #include <mixprec/detail/rng_states.hpp>
-#include <mixprec/distributed.hpp>
+#include <mixprec/detail/step_group.hpp>
 #include <mixprec/error.hpp>
 #include <mixprec/master_weights.hpp>
 
@@ -86,7 +86,7 @@ struct RankRngs {
 };
 
 // Collective; one process: none (the checkpoint holds this process's own).
-inline RankRngs gather_rngs(DataParallel* group) {
+inline RankRngs gather_rngs(StepGroup* group) {
   if (group == nullptr) return {};
   RankRngs rngs;
   rngs.cpu = group->all_gather(cpu_rng_state().to(group->device()));
@@ -115,7 +115,7 @@ struct CheckpointParts {
   torch::nn::Module& model;
   torch::optim::Optimizer& optimizer;
   const MasterWeights* masters;  // null: none
-  DataParallel* data_parallel;   // null: one process
+  StepGroup* data_parallel;   // null: one process
   bool fused_optimizer;
 };
 
@@ -207,7 +207,7 @@ inline at::Tensor read_tensor(torch::serialize::InputArchive& archive, const std
 // have the device (a run resumed on a machine without CUDA, or with fewer devices, keeps its
 // own for the rest). Checked by setting each on a clone of its generator.
 inline RngStates read_rngs(torch::serialize::InputArchive& archive, const std::string& path,
-                           const DataParallel* group) {
+                           const StepGroup* group) {
   RngStates rngs;
   MIXPREC_CHECK(archive.try_read("rng.cpu", rngs.cpu), "'", path, "' lacks the RNG state");
   const int rank = group ? group->rank() : 0;
@@ -434,7 +434,7 @@ UserValues checked_or_error(const std::string& source, Read&& read) {
 
 // Data parallel: rank 0 runs `write`; every rank throws if it failed (rank 0 its own Error).
 template <class Write>
-void write_on_rank0(DataParallel* group, const std::string& path, Write&& write) {
+void write_on_rank0(StepGroup* group, const std::string& path, Write&& write) {
   if (group == nullptr) return write();
   std::exception_ptr failure;
   if (group->rank() == 0) {
@@ -453,7 +453,7 @@ void write_on_rank0(DataParallel* group, const std::string& path, Write&& write)
 // Data parallel: `load(commit)` reads and checks, then calls commit(), which returns only if
 // every rank could; after it, `load` changes the trainer. Any rank that fails, fails them all.
 template <class Load>
-UserValues voted_load(DataParallel* group, const std::string& source, Load&& load) {
+UserValues voted_load(StepGroup* group, const std::string& source, Load&& load) {
   bool voted = false;  // whether this rank has said if it can load
   auto commit = [&] {
     if (group == nullptr) return;
