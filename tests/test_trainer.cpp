@@ -547,6 +547,50 @@ TEST_CASE("MixedO2 accumulates micro-batch gradients in fp32, not in bf16") {
   CHECK(trainer.master_weights()[0].item<double>() == expected);
 }
 
+// A gradient hook may return its gradient in any dense layout: here the same values with
+// strides [1, 1] for a parameter of shape [1, D] (strides [D, 1]), which autograd keeps, since
+// a size-1 dimension's stride is free. The master's gradient has strides [D, 1]: the same
+// elements in the same order, so the unscale into the masters must treat them as one layout.
+struct ScoreVector : torch::nn::Module {
+  explicit ScoreVector(bool hooked) {
+    torch::manual_seed(11);
+    w = register_parameter("w", torch::randn({1, 8}));
+    if (hooked) {
+      w.register_hook([](const at::Tensor& grad) { return grad.reshape({8, 1}).t(); });
+    }
+  }
+  at::Tensor forward(const at::Tensor& x) { return at::matmul(x, w.t()); }
+  at::Tensor w;
+};
+
+TEST_CASE("MixedO2: a gradient whose strides differ from its master's in a size-1 dimension") {
+  torch::manual_seed(12);
+  const auto x = torch::randn({16, 8}), y = torch::randn({16, 1});
+  {  // The layout this case is about, in this LibTorch (else it would test nothing).
+    ScoreVector hooked(true);
+    hooked.forward(x).sum().backward();
+    INFO("gradient strides ", hooked.w.grad().strides(), ", parameter ", hooked.w.strides());
+    REQUIRE(hooked.w.grad().strides() != hooked.w.strides());
+  }
+  std::vector<at::Tensor> masters;
+  for (const bool hooked : {true, false}) {
+    auto model = std::make_shared<ScoreVector>(hooked);
+    torch::optim::SGD optimizer(model->parameters(), 0.05);
+    mp::Trainer<mp::MixedO2<at::BFloat16>> trainer(model, optimizer);
+    for (int step = 0; step < 3; ++step) {
+      const auto report = trainer.step([&] {
+        return (model->forward(trainer.cast_input(x)).to(at::kFloat) - y).square().mean();
+      });
+      REQUIRE(report.stepped());
+    }
+    masters.push_back(trainer.master_weights().at(0).clone());
+  }
+  MESSAGE("largest difference of the masters, hooked vs not: "
+          << (masters[0] - masters[1]).abs().max().item<double>());
+  CHECK(masters[0].equal(masters[1]));
+  CHECK_FALSE(masters[0].equal(ScoreVector(false).w));  // they moved
+}
+
 TEST_CASE("MixedO1 inside an enclosing autocast scope sees each step's new weights") {
   // torch::mm on a raw parameter: autocast caches its bf16 cast while any autocast scope is open.
   struct MatMul : torch::nn::Module {

@@ -1,5 +1,5 @@
 # cmake -DMODE=... -DSOURCE_DIR=... -DMAIN_BINARY_DIR=... -DWORK_DIR=... -DGENERATOR=...
-#       -DTorch_DIR=... -P run.cmake
+#       -DTorch_DIR=... -DGLOO_INCLUDE_DIR=... -P run.cmake
 # Configures, builds and runs tests/consumer against mixprec found by MODE.
 file(REMOVE_RECURSE ${WORK_DIR})
 # The LibTorch root, not only Torch_DIR: TorchConfig's find_library searches the prefixes' lib/
@@ -22,6 +22,7 @@ endif()
 execute_process(
   COMMAND ${CMAKE_COMMAND} -S ${SOURCE_DIR}/tests/consumer -B ${WORK_DIR}/build -G ${GENERATOR}
           -DMODE=${MODE} -DMIXPREC_SOURCE_DIR=${SOURCE_DIR} -DTorch_DIR=${Torch_DIR}
+          -DMIXPREC_GLOO_INCLUDE_DIR=${GLOO_INCLUDE_DIR}
           "-DCMAKE_PREFIX_PATH=${_prefix_path}" ${_launcher}
   RESULT_VARIABLE _rc)
 if(NOT _rc EQUAL 0)

@@ -289,11 +289,22 @@ void dispatch_grad_dtype(at::ScalarType dtype, F&& f) {
   }
 }
 
+// Whether two dense tensors of the same sizes hold their elements in the same order. A
+// size-1 dimension's stride does not place anything: a gradient hook can return strides [1, 1]
+// for a [1, N] tensor whose master has [N, 1], and autograd keeps them.
+inline bool same_layout(const at::Tensor& a, const at::Tensor& b) {
+  for (std::int64_t d = 0; d < a.dim(); ++d) {
+    if (a.size(d) != 1 && a.stride(d) != b.stride(d)) return false;
+  }
+  return true;
+}
+
 /// CPU: to = from * factor in one pass; true when any written value is inf or NaN.
 inline bool scale_and_check_cpu(const at::Tensor& from, const at::Tensor& to, float factor) {
   const bool same = from.is_same(to);
-  const bool flat = is_flat(from) && (same || (is_flat(to) && from.strides() == to.strides()));
+  const bool flat = is_flat(from) && (same || (is_flat(to) && same_layout(from, to)));
   if (!flat) {
+    // Both contiguous, so of one layout: one level down the copies are flat.
     auto from_c = from.contiguous();
     auto to_c = at::empty_like(to, at::MemoryFormat::Contiguous);
     const bool bad = scale_and_check_cpu(from_c, to_c, factor);
