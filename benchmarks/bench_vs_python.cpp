@@ -389,9 +389,9 @@ struct Variant {
   int steps;
 };
 
-/// Milliseconds per training step, [variant][repetition], interleaved in alternating order:
-/// each variant follows each of its neighbours (C++ or the Python process, whose run evicts the
-/// caches) equally often.
+/// Milliseconds per training step, [variant][repetition], interleaved in alternating order: a
+/// variant follows its left neighbour in one repetition and its right one in the next (the
+/// first and the last follow themselves half the time).
 bench::Samples interleaved_samples(const std::vector<Variant>& variants,
                                    const bench::Options& options, int repetitions) {
   auto o = options;
@@ -626,22 +626,26 @@ void speed(PythonChild& python, const Workload& w, const bench::Options& options
                            std::stod(bf16_reply[2]) == weights &&
                            std::stod(bf16_reply[3]) == w.data_checksum;
 
-  // Each comparison's two sides are neighbours in this order. The A/A controls (second,
-  // identical hand-written loops: bf16, and fp32 where its samples are cheap) come last, far
-  // from their twins.
+  // The order matters where one process follows the other: a variant that runs right after
+  // the other process finds the caches evicted (and that process's worker threads perhaps
+  // still spinning). The Python variants come first: py32 follows only Python and row 1's
+  // Trainer never follows Python; pybf16 and row 2's Trainer each follow the other process in
+  // every second repetition. Row 3's two C++ loops sit inside the C++ block, never right after
+  // Python. The A/A controls (second, identical hand-written loops: bf16, and fp32 where its
+  // samples are cheap) come after their twins.
   std::vector<Variant> variants;
   const auto add = [&](Loop& loop, int steps) {
     variants.push_back({&loop, steps});
     return variants.size() - 1;
   };
-  const auto kHand = add(hand, w.steps_fp32);
-  const auto kTrainerFp = add(trainer_fp, w.steps_fp32);
   const auto kPy32 = add(py32, w.steps_fp32);
   const auto kPyBf16 = add(pybf16, w.steps_bf16);
   const auto kTrainerO1 = add(trainer_o1, w.steps_bf16);
   const auto kHandO1 = add(hand_o1, w.steps_bf16);
   const auto kComposite = w.tagger ? add(hand_o1_composite, w.steps_bf16) : 0;
   const auto kHandO1Again = add(hand_o1_again, w.steps_bf16);
+  const auto kHand = add(hand, w.steps_fp32);
+  const auto kTrainerFp = add(trainer_fp, w.steps_fp32);
   const bool control_fp32 = w.steps_fp32 > 1;
   const auto kHandAgain = control_fp32 ? add(hand_again, w.steps_fp32) : 0;
   const int repetitions = options.smoke ? options.repetitions : w.repetitions;
