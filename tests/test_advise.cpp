@@ -79,7 +79,7 @@ TEST_CASE("advise: a layer beyond fp16's range is kept in fp32, and Half is refu
   // The batch's own ops (randn) are not the model's; the loss is.
   CHECK(names(advice) == std::vector<std::string>{"fc1", "norm", "aten::relu", "big", "out", "head",
                                                   "aten::cross_entropy_loss"});
-  const auto& big = layer(advice, "big");
+  const auto big = layer(advice, "big");  // a copy: GCC 13 suspects a dangling reference
   CHECK_FALSE(big.fp16);
   CHECK(big.bf16);
   CHECK(big.activation_max > 65504);
@@ -182,7 +182,7 @@ TEST_CASE("advise: activations that fp16 flushes to zero, and an fp32 run that i
     const auto advice = mp::advise(model, [&] {
       return torch::nn::functional::cross_entropy(model->forward(b.x), b.y);
     });
-    const auto& big = layer(advice, "big");
+    const auto big = layer(advice, "big");  // a copy: GCC 13 suspects a dangling reference
     CHECK_FALSE(big.fp16);
     CHECK(big.fp16_reason.find("below fp16's 2^-24") != std::string::npos);
     CHECK(big.activation_tiny > 0.5);

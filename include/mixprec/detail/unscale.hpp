@@ -362,6 +362,22 @@ inline bool use_aten_unscale(const at::Device& device) { return !device.is_cpu()
 /// factor stays finite in any dtype. Otherwise (a scale below 1) a second check reads the outputs.
 inline void aten_unscale_(const std::vector<at::Tensor>& grads, float factor,
                           const at::Tensor& found_inf) {
+  if (grads.front().scalar_type() == at::kBFloat16) {
+    // The CUDA kernel has no BFloat16 version (it throws "not implemented", seen on an H200 with
+    // LibTorch 2.11): fp32 copies, each value computed in fp32 and rounded once, as on the CPU.
+    std::vector<at::Tensor> wide;
+    wide.reserve(grads.size());
+    for (const auto& g : grads) wide.push_back(g.to(at::kFloat));
+    aten_unscale_(wide, factor, found_inf);
+    for (std::size_t i = 0; i < grads.size(); ++i) grads[i].copy_(wide[i]);
+    if (!(std::abs(factor) <= 1.0F)) {
+      // A finite fp32 result above bf16's largest value rounds to inf: check what was written.
+      wide.clear();
+      for (const auto& g : grads) wide.push_back(g.to(at::kFloat));
+      aten_unscale_(wide, 1.0F, found_inf);
+    }
+    return;
+  }
   const auto device = grads.front().device();
   const auto options = at::TensorOptions(at::kFloat).device(device);
   // at::full on the device is a fill kernel, not a copy from the host: no synchronisation.
