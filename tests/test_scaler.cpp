@@ -264,6 +264,30 @@ TEST_CASE("the finiteness-only pass (NoScaler, no clipping): inf/NaN anywhere, e
   }
 }
 
+TEST_CASE("the float finiteness pass finds inf and NaN at every position of its unrolled loops") {
+  // The vector loops take 8 vectors per iteration, then single vectors, then single values:
+  // every size up to past 2 x 8 x 16 floats and every position in them covers each part.
+  for (std::int64_t n = 1; n <= 300; n += (n < 140 ? 1 : 7)) {
+    auto grad = torch::randn({n}) * 1e30;  // large finite values stay finite
+    grad[0] = std::numeric_limits<float>::max();
+    CAPTURE(n);
+    CHECK_FALSE(mp::detail::non_finite_cpu(grad));
+    for (std::int64_t at = 0; at < n; ++at) {
+      const float saved = grad[at].item<float>();
+      for (const float bad : {kInf, -kInf, kNaN}) {
+        grad[at] = bad;
+        if (!mp::detail::non_finite_cpu(grad)) FAIL_CHECK("missed ", bad, " at ", at, " of ", n);
+      }
+      grad[at] = saved;
+    }
+  }
+  // From an unaligned start (a slice of a larger buffer), as a parameter's view can be.
+  auto buffer = torch::zeros({203});
+  buffer[202] = kNaN;
+  CHECK(mp::detail::non_finite_cpu(buffer.narrow(0, 3, 200)));
+  CHECK_FALSE(mp::detail::non_finite_cpu(buffer.narrow(0, 3, 199)));
+}
+
 TEST_CASE("the de-duplication of the optimizer's tensors follows changes between iterations") {
   // The unscale pass keeps its index of each tensor's first listing while the optimizer lists
   // the same tensors; a tensor swapped in a group, of the same count, is seen.

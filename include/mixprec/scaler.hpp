@@ -400,8 +400,9 @@ class ScalerCore {
   // tensor once: an optimizer built on model->parameters() lists tied weights once per name,
   // and a tensor unscaled twice would be divided by the scale twice and counted twice in the norm.
   std::vector<GradPair> collect_grads(torch::optim::Optimizer& optimizer,
-                                      const std::vector<at::Tensor>& grads_from) const {
-    std::vector<const at::Tensor*> params;
+                                      const std::vector<at::Tensor>& grads_from) {
+    auto& params = params_;  // kept between steps with its capacity: no allocation per step
+    params.clear();
     for (const auto& group : optimizer.param_groups()) {
       for (const auto& p : group.params()) params.push_back(&p);
     }
@@ -415,7 +416,8 @@ class ScalerCore {
                     "grads_from[", j, "] and grads_from[", i, "] differ, but "
                     "both are for the same optimizer tensor (listed twice): repeat its source");
     }
-    std::vector<std::size_t> with_grad;
+    auto& with_grad = with_grad_;
+    with_grad.clear();
     for (const auto i : index.first) {
       const at::Tensor& grad = (in_place ? *params[i] : grads_from[i]).grad();
       if (!grad.defined()) continue;
@@ -424,7 +426,8 @@ class ScalerCore {
                         dtype == at::kDouble,
                     "unscale_() found a gradient of dtype ", dtype,
                     "; gradients must be Float, Double, Half or BFloat16");
-      MIXPREC_CHECK(grad.is_sparse() || at::has_internal_overlap(grad) != at::MemOverlap::Yes,
+      MIXPREC_CHECK(grad.is_sparse() || grad.is_non_overlapping_and_dense() ||
+                        at::has_internal_overlap(grad) != at::MemOverlap::Yes,
                     "gradient ", i, " of shape ", grad.sizes(), " is an expanded view whose "
                     "elements share memory: unscaling it would scale shared values more than "
                     "once; give the parameter a gradient of its own (e.g. grad.contiguous())");
@@ -444,6 +447,7 @@ class ScalerCore {
       with_grad.push_back(i);
     }
     std::vector<GradPair> pairs;
+    pairs.reserve(with_grad.size());
     for (const auto i : with_grad) {
       if (in_place) {
         auto grad = params[i]->grad();
@@ -557,7 +561,9 @@ class ScalerCore {
     const auto device = scaling_ ? scale_.device() : pairs.front().to.device();
     if (spare_found_.defined() && spare_found_.device() == device &&
         spare_found_.use_count() == 1) {
-      return spare_found_.zero_();
+      if (!device.is_cpu()) return spare_found_.zero_();
+      *spare_found_.data_ptr<float>() = 0.0F;  // a store, not an op through the dispatcher
+      return spare_found_;
     }
     spare_found_ = at::zeros({}, at::TensorOptions(at::kFloat).device(device));
     return spare_found_;
@@ -580,6 +586,8 @@ class ScalerCore {
 
   std::vector<std::pair<const torch::optim::Optimizer*, Entry>> entries_;
   mutable GradIndex index_;  // collect_grads' cache
+  std::vector<const at::Tensor*> params_;  // collect_grads' lists, reused
+  std::vector<std::size_t> with_grad_;
   at::Tensor spare_found_;   // new_found_inf's flag, reused once no record holds it
 };
 

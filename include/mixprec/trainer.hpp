@@ -142,6 +142,10 @@ class Trainer {
       if (finder) non_finite_op = finder->first();
     }
     const auto loss32 = detail::checked_loss(loss);
+    // The last step's graph (its saved tensors freed by backward) lives until this forward has
+    // run, as the `loss` variable of a hand-written loop keeps it: the parameters' gradient
+    // accumulators are then reused instead of made anew each step.
+    last_graph_ = loss32;
     if (pending_ == 0) tensors_.clear_grads(*optimizer_);
     const auto n = options_.accumulation_steps();
     const auto to_backprop = n > 1 ? loss32 / static_cast<double>(n) : loss32;
@@ -393,6 +397,7 @@ class Trainer {
     // (a NaN among them would skip the next step) and gradients.
     pending_ = 0;
     loss_sum_ = at::Tensor();
+    last_graph_ = at::Tensor();
     consecutive_skips_ = 0;
     buffers_synced_ = false;
     calls_ = counters_.micro_batches;  // the same on every rank that loaded this checkpoint
@@ -444,6 +449,7 @@ class Trainer {
   bool buffers_synced_ = false;  // rank 0's buffers are on every rank, no forward ran since
   std::int64_t pending_ = 0;  // micro-batches accumulated since the last optimizer step
   at::Tensor loss_sum_;       // their losses: inf/NaN in any of them skips the step
+  at::Tensor last_graph_;     // the last loss with its graph, until the next forward has run
 };
 
 /// `archive << trainer`, and so `torch::save(trainer, path)`: Trainer::save(archive).

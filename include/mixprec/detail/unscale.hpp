@@ -74,6 +74,7 @@ MIXPREC_ALWAYS_INLINE inline bool scale_and_check_loop(const In* from, Out* to, 
 
 #if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
 #define MIXPREC_X86_DISPATCH 1
+#include <immintrin.h>
 // The same loops compiled for AVX2 and AVX-512, chosen at run time: the library is header-only
 // and built with the consumer's flags (often plain x86-64: SSE2), while ATen's own kernels
 // dispatch on the CPU. Multiplies and integer ops only (no FMA): results are bit-identical
@@ -84,6 +85,10 @@ inline Isa cpu_isa() {
                              ? Isa::avx512
                              : (__builtin_cpu_supports("avx2") ? Isa::avx2 : Isa::base);
   return isa;
+}
+inline bool cpu_has_fma() {
+  static const bool fma = __builtin_cpu_supports("fma");
+  return fma;
 }
 template <class In, class Out>
 [[gnu::target("avx2")]] bool scale_and_check_loop_avx2(const In* from, Out* to, std::int64_t begin,
@@ -237,6 +242,59 @@ MIXPREC_ALWAYS_INLINE inline bool non_finite_loop(const In* from, std::int64_t b
 }
 
 #ifdef MIXPREC_X86_DISPATCH
+#if !defined(__FAST_MATH__) && !(defined(__FINITE_MATH_ONLY__) && __FINITE_MATH_ONLY__)
+#define MIXPREC_FLOAT_FMA_CHECK 1
+// float: x * 0 + acc is NaN when x is inf or NaN and leaves acc (±0) as it was otherwise, so one
+// multiply-add per vector, into eight independent sums, decides finiteness: ~3x fewer
+// instructions than the bit reduction (AND and max per vector, and the loop's own). Not under
+// -ffast-math, whose finite-math assumption may fold x * 0 to 0: there the bit loop runs.
+// (The two loops are spelled out: GCC does not compile a lambda's body for its caller's target.)
+[[gnu::target("avx2,fma")]] inline bool non_finite_floats_avx2(const float* from,
+                                                               std::int64_t begin,
+                                                               std::int64_t end) {
+  const __m256 zero = _mm256_setzero_ps();
+  __m256 a0 = zero, a1 = zero, a2 = zero, a3 = zero, a4 = zero, a5 = zero, a6 = zero, a7 = zero;
+  std::int64_t i = begin;
+  for (; i + 64 <= end; i += 64) {
+    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(from + i), zero, a0);
+    a1 = _mm256_fmadd_ps(_mm256_loadu_ps(from + i + 8), zero, a1);
+    a2 = _mm256_fmadd_ps(_mm256_loadu_ps(from + i + 16), zero, a2);
+    a3 = _mm256_fmadd_ps(_mm256_loadu_ps(from + i + 24), zero, a3);
+    a4 = _mm256_fmadd_ps(_mm256_loadu_ps(from + i + 32), zero, a4);
+    a5 = _mm256_fmadd_ps(_mm256_loadu_ps(from + i + 40), zero, a5);
+    a6 = _mm256_fmadd_ps(_mm256_loadu_ps(from + i + 48), zero, a6);
+    a7 = _mm256_fmadd_ps(_mm256_loadu_ps(from + i + 56), zero, a7);
+  }
+  for (; i + 8 <= end; i += 8) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(from + i), zero, a0);
+  const __m256 sum = _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)),
+                                   _mm256_add_ps(_mm256_add_ps(a4, a5), _mm256_add_ps(a6, a7)));
+  return _mm256_movemask_ps(_mm256_cmp_ps(sum, sum, _CMP_UNORD_Q)) != 0 ||
+         non_finite_loop(from, i, end);
+}
+
+[[gnu::target("avx512f")]] inline bool non_finite_floats_avx512(const float* from,
+                                                               std::int64_t begin,
+                                                               std::int64_t end) {
+  const __m512 zero = _mm512_setzero_ps();
+  __m512 a0 = zero, a1 = zero, a2 = zero, a3 = zero, a4 = zero, a5 = zero, a6 = zero, a7 = zero;
+  std::int64_t i = begin;
+  for (; i + 128 <= end; i += 128) {
+    a0 = _mm512_fmadd_ps(_mm512_loadu_ps(from + i), zero, a0);
+    a1 = _mm512_fmadd_ps(_mm512_loadu_ps(from + i + 16), zero, a1);
+    a2 = _mm512_fmadd_ps(_mm512_loadu_ps(from + i + 32), zero, a2);
+    a3 = _mm512_fmadd_ps(_mm512_loadu_ps(from + i + 48), zero, a3);
+    a4 = _mm512_fmadd_ps(_mm512_loadu_ps(from + i + 64), zero, a4);
+    a5 = _mm512_fmadd_ps(_mm512_loadu_ps(from + i + 80), zero, a5);
+    a6 = _mm512_fmadd_ps(_mm512_loadu_ps(from + i + 96), zero, a6);
+    a7 = _mm512_fmadd_ps(_mm512_loadu_ps(from + i + 112), zero, a7);
+  }
+  for (; i + 16 <= end; i += 16) a0 = _mm512_fmadd_ps(_mm512_loadu_ps(from + i), zero, a0);
+  const __m512 sum = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)),
+                                   _mm512_add_ps(_mm512_add_ps(a4, a5), _mm512_add_ps(a6, a7)));
+  return _mm512_cmp_ps_mask(sum, sum, _CMP_UNORD_Q) != 0 || non_finite_loop(from, i, end);
+}
+#endif
+
 template <class In>
 [[gnu::target("avx2")]] bool non_finite_loop_avx2(const In* from, std::int64_t begin,
                                                   std::int64_t end) {
@@ -249,21 +307,36 @@ template <class In>
 }
 #endif
 
+// One chunk of non_finite_span, on the CPU's widest loop.
+template <class In>
+bool non_finite_dispatch(const In* from, std::int64_t begin, std::int64_t end) {
+#ifdef MIXPREC_X86_DISPATCH
+  switch (cpu_isa()) {
+#ifdef MIXPREC_FLOAT_FMA_CHECK
+    case Isa::avx512:
+      if constexpr (std::is_same_v<In, float>) return non_finite_floats_avx512(from, begin, end);
+      return non_finite_loop_avx512(from, begin, end);
+    case Isa::avx2:
+      if constexpr (std::is_same_v<In, float>) {
+        if (cpu_has_fma()) return non_finite_floats_avx2(from, begin, end);
+      }
+      return non_finite_loop_avx2(from, begin, end);
+#else
+    case Isa::avx512: return non_finite_loop_avx512(from, begin, end);
+    case Isa::avx2: return non_finite_loop_avx2(from, begin, end);
+#endif
+    case Isa::base: break;
+  }
+#endif
+  return non_finite_loop(from, begin, end);
+}
+
 template <class In>
 bool non_finite_span(const In* from, std::int64_t n) {
+  if (n <= kGrainSize) return non_finite_dispatch(from, 0, n);  // one chunk: no parallel_for
   std::atomic<bool> non_finite{false};
   at::parallel_for(0, n, kGrainSize, [&](std::int64_t begin, std::int64_t end) {
-    bool bad = false;
-#ifdef MIXPREC_X86_DISPATCH
-    switch (cpu_isa()) {
-      case Isa::avx512: bad = non_finite_loop_avx512(from, begin, end); break;
-      case Isa::avx2: bad = non_finite_loop_avx2(from, begin, end); break;
-      case Isa::base: bad = non_finite_loop(from, begin, end); break;
-    }
-#else
-    bad = non_finite_loop(from, begin, end);
-#endif
-    if (bad) non_finite.store(true, std::memory_order_relaxed);
+    if (non_finite_dispatch(from, begin, end)) non_finite.store(true, std::memory_order_relaxed);
   });
   return non_finite.load(std::memory_order_relaxed);
 }
