@@ -1,5 +1,5 @@
 // mixprec::advise: per-layer verdicts from fp32 steps, the loss-scale range, the recommended
-// policy, and that the model is left as it was.
+// policy, that the model is left as it was, and its precision map trained under MixedO2<Half>.
 #include <mixprec/mixprec.hpp>
 
 #include "support.hpp"
@@ -240,4 +240,114 @@ TEST_CASE("advise: bad input is an Error that leaves the model as it was") {
   mp::Trainer<mp::MixedO2<at::BFloat16>> trainer(model, optimizer);
   CHECK_THROWS_WITH_AS(mp::advise(model, loss_fn), doctest::Contains("call it before a Trainer"),
                        mp::Error);
+}
+
+namespace {
+
+// The engineered model with the modules a precision map may change declared Mappable: the same
+// initialisation, parameter names and forward as Engineered.
+struct MappableEngineered : torch::nn::Module {
+  explicit MappableEngineered(double gain) {
+    fc1 = register_module("fc1", torch::nn::Linear(6, 8));
+    norm = register_module("norm", torch::nn::BatchNorm1d(8));
+    big = register_module("big", mp::nn::Mappable<torch::nn::Linear>(8, 8));
+    out = register_module("out", mp::nn::Mappable<torch::nn::Linear>(8, 3));
+    torch::NoGradGuard no_grad;
+    big->inner()->weight.mul_(gain);
+    big->inner()->bias.mul_(gain);
+    out->inner()->weight.div_(gain);
+  }
+  at::Tensor forward(const at::Tensor& x) {
+    auto h = torch::relu(norm->forward(fc1->forward(x)));
+    h = big->forward(h);
+    mp::NamedScope scope("head");
+    return out->forward(h) * 2;
+  }
+  torch::nn::Linear fc1{nullptr};
+  mp::nn::Mappable<torch::nn::Linear> big{nullptr}, out{nullptr};
+  torch::nn::BatchNorm1d norm{nullptr};
+};
+
+struct Run {
+  std::vector<double> losses;  // of the steps taken
+  std::vector<std::int64_t> stepped;  // their batches
+  int skipped = 0;
+};
+
+template <class P>
+Run train_engineered(const mp::PrecisionMap* map, double init_scale,
+                     const std::vector<std::int64_t>& batches) {
+  torch::manual_seed(0);
+  auto model = std::make_shared<MappableEngineered>(1e5);
+  // out's weights are 1e5 times smaller than usual and its gradients 1e5 times larger: no one
+  // learning rate trains it and the rest alike. Frozen, it keeps the range it was built for.
+  for (auto& p : model->out->parameters()) p.requires_grad_(false);
+  if (map != nullptr) mp::apply_precision_map<P>(model, *map);
+  torch::optim::Adam optimizer(model->parameters(), torch::optim::AdamOptions(1e-3));
+  auto options = mp::TrainerOptions().max_consecutive_skips(0);
+  if constexpr (std::is_same_v<typename P::scaler_type, mp::GradScaler>) {
+    options.scaler(mp::GradScalerOptions().init_scale(init_scale));
+  }
+  mp::Trainer<P> trainer(model, optimizer, options);
+  Run run;
+  for (const auto i : batches) {
+    const auto b = batch(i);
+    const auto report = trainer.step([&] {
+      return torch::nn::functional::cross_entropy(model->forward(trainer.cast_input(b.x)), b.y);
+    });
+    if (report.status == mp::StepStatus::skipped) {
+      ++run.skipped;
+    } else {
+      run.losses.push_back(report.loss.template item<double>());
+      run.stepped.push_back(i);
+    }
+  }
+  return run;
+}
+
+}  // namespace
+
+TEST_CASE("advise -> precision map -> train: MixedO2<Half> skips every step of the engineered "
+          "model, and trains it as FullPrecision with advise's map" *
+          doctest::skip(!mp::cpu_half_math)) {
+  torch::manual_seed(0);
+  auto probe = std::make_shared<MappableEngineered>(1e5);
+  const auto advice = mp::advise(probe, [&] {
+    const auto b = batch(0);
+    return torch::nn::functional::cross_entropy(probe->forward(b.x), b.y);
+  });
+  CHECK(advice.keep_fp32(at::kHalf) == std::vector<std::string>{"big"});
+  const auto map = advice.precision_map(at::kHalf);
+  // big's outputs (about 1e5) stay fp32 into out, its reader, which hands fp16-sized values on.
+  REQUIRE(map.rules().size() == 2);
+  CHECK(map.rules()[0].pattern == "big");
+  CHECK(map.rules()[0].output == mp::Output::as_module);
+  CHECK(map.rules()[1].pattern == "out");
+  CHECK(map.rules()[1].output == mp::Output::as_input);
+  CHECK(advice.precision_map(at::kBFloat16).empty());  // bf16 holds it all
+
+  constexpr int steps = 40;
+  constexpr double init_scale = 65536.0;  // PyTorch's
+  std::vector<std::int64_t> batches(steps);
+  for (int i = 0; i < steps; ++i) batches[static_cast<std::size_t>(i)] = i % 4;
+  const auto unmapped = train_engineered<mp::MixedO2<at::Half>>(nullptr, init_scale, batches);
+  CHECK(unmapped.skipped == steps);  // big's fp16 outputs overflow, whatever the loss scale
+  const auto mapped = train_engineered<mp::MixedO2<at::Half>>(&map, init_scale, batches);
+  // The first steps back the scale off (fp16 gradients at big's input), as GradScaler does;
+  // the fp32 reference trains on the batches of the steps taken.
+  CHECK(mapped.skipped < steps / 3);
+  const auto reference = train_engineered<mp::FullPrecision>(nullptr, 0.0, mapped.stepped);
+  REQUIRE(mapped.losses.size() == reference.losses.size());
+  REQUIRE(mapped.losses.size() > 4);
+  double largest = 0.0;
+  for (std::size_t i = 0; i < mapped.losses.size(); ++i) {
+    largest = std::max(largest, std::abs(mapped.losses[i] - reference.losses[i]));
+  }
+  MESSAGE("MixedO2<Half> with advise's map vs FullPrecision, ", steps, " Adam steps: largest loss "
+          "difference ", largest, " (losses ", reference.losses.front(), " to ",
+          reference.losses.back(), "); skipped: ", mapped.skipped, " of ", steps, " (unmapped: ",
+          unmapped.skipped, ")");
+  CHECK(largest < 0.02);
+  const auto n = mapped.losses.size();
+  CHECK(mapped.losses[n - 4] < mapped.losses[0]);  // the same batch (every 4th), later: it trains
 }

@@ -1,7 +1,8 @@
 // mixprec::nn::Conv2d: torch::nn::Conv2d's parameters and forward, bit for bit, and with
 // fp32_weight_grad its fp16 weight gradient computed in fp32: checked against an fp64 reference
 // and against LibTorch's own fp16 gradient, under MixedO2/PureHalf (fp16 tensors) and MixedO1
-// (autocast); the Trainer's warning on a CPU whose fp16 weight gradients are slow.
+// (autocast); the Trainer's warning on a CPU whose fp16 weight gradients are slow. Then
+// per-module precision (precision_map.hpp): nn::Mappable, PrecisionMap, apply_precision_map.
 #include <mixprec/mixprec.hpp>
 
 #include "support.hpp"
@@ -229,4 +230,405 @@ TEST_CASE("the Trainer warns once, through on_warning, of slow fp16 convolutions
   }
   override_caps.reset();
   mp::detail::slow_convolutions_warned() = false;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Per-module precision (precision_map.hpp): mixprec::nn::Mappable, PrecisionMap and
+// apply_precision_map, with the models users build: a transformer-style block with its norms and
+// classifier kept fp32, a CNN with BatchNorm and GroupNorm, tied weights, a frozen module.
+
+namespace {
+
+// A small encoder layer and a classifier: embedding, attention-like mixing, LayerNorms, a head.
+struct Encoder : torch::nn::Module {
+  torch::nn::Linear inp{16, 32};
+  mp::nn::Mappable<torch::nn::Linear> proj{32, 32};
+  torch::nn::LayerNorm norm1{torch::nn::LayerNormOptions({32})};
+  torch::nn::Sequential ffn{mp::nn::Mappable<torch::nn::Linear>(32, 64), torch::nn::ReLU(),
+                            torch::nn::Linear(64, 32)};
+  torch::nn::LayerNorm norm2{torch::nn::LayerNormOptions({32})};
+  mp::nn::Mappable<torch::nn::Linear> head{32, 5};
+  Encoder() {
+    register_module("inp", inp);
+    register_module("proj", proj);
+    register_module("norm1", norm1);
+    register_module("ffn", ffn);
+    register_module("norm2", norm2);
+    register_module("head", head);
+  }
+  at::Tensor forward(const at::Tensor& x) {
+    auto h = torch::relu(inp->forward(x));
+    h = norm1->forward(h + torch::tanh(proj->forward(h)));
+    h = norm2->forward(h + ffn->forward(h));
+    return head->forward(h);
+  }
+};
+
+// Inputs and targets whose values bf16 holds exactly, so that casting them loses nothing.
+std::pair<at::Tensor, at::Tensor> encoder_batch(std::int64_t seed) {
+  torch::manual_seed(seed);
+  return {torch::randn({8, 16}).to(at::kBFloat16).to(at::kFloat),
+          torch::randint(0, 5, {8}, at::kLong)};
+}
+
+template <class P>
+std::vector<double> train_encoder(const std::shared_ptr<Encoder>& model, int steps,
+                                  std::vector<at::Tensor>* final_params = nullptr) {
+  torch::optim::AdamW optimizer(model->parameters(), torch::optim::AdamWOptions(1e-2));
+  mp::Trainer<P> trainer(model, optimizer);
+  std::vector<double> losses;
+  for (int i = 0; i < steps; ++i) {
+    const auto [x, y] = encoder_batch(100 + i % 2);  // two batches: the loss can fall
+    const auto report = trainer.step([&, &x = x, &y = y] {
+      return torch::nn::functional::cross_entropy(model->forward(trainer.cast_input(x)), y);
+    });
+    CHECK(report.status == mp::StepStatus::stepped);
+    losses.push_back(report.loss.template item<double>());
+  }
+  if (final_params != nullptr) {
+    for (const auto& p : model->parameters()) final_params->push_back(p.detach().to(at::kFloat));
+  }
+  return losses;
+}
+
+std::shared_ptr<Encoder> encoder(std::uint64_t seed = 5) {
+  torch::manual_seed(seed);
+  return std::make_shared<Encoder>();
+}
+
+std::vector<std::string> keys(const torch::nn::Module& module) {
+  std::vector<std::string> result;
+  for (const auto& item : module.named_parameters()) result.push_back(item.key());
+  for (const auto& item : module.named_buffers()) result.push_back(item.key());
+  return result;
+}
+
+}  // namespace
+
+TEST_CASE("PrecisionMap patterns: `*` within a name, `**` across dots, the first rule decides") {
+  const auto map = mp::PrecisionMap()
+                       .keep_fp32("encoder.*.norm*")
+                       .add("encoder.**", mp::Precision::low)
+                       .keep_fp32("head");
+  const auto precision = [&](const std::string& path) {
+    const auto* rule = map.match(path);
+    return rule == nullptr ? std::string("none") : rule->pattern;
+  };
+  CHECK(precision("encoder.0.norm1") == "encoder.*.norm*");
+  CHECK(precision("encoder.11.norm") == "encoder.*.norm*");
+  CHECK(precision("encoder.0.attn.norm") == "encoder.**");  // `*` stops at a dot
+  CHECK(precision("encoder.0.ffn") == "encoder.**");
+  CHECK(precision("head") == "head");
+  CHECK(precision("head.0") == "none");  // a rule names a module, its children inherit
+  CHECK(precision("decoder.0.norm1") == "none");
+}
+
+TEST_CASE("nn::Mappable is its module: the same parameters, names, state_dict and forward") {
+  torch::manual_seed(3);
+  torch::nn::Linear plain(7, 3);
+  torch::manual_seed(3);
+  mp::nn::Mappable<torch::nn::Linear> mapped(7, 3);
+  CHECK(keys(*plain) == keys(*mapped));
+  CHECK(mapped->parameters().size() == 2);
+  CHECK(mapped->named_parameters()["weight"].is_same(mapped->inner()->weight));
+  CHECK(test::identical(plain->weight, mapped->named_parameters()["weight"]));
+  const auto x = torch::randn({4, 7});
+  CHECK(test::identical(plain->forward(x), mapped->forward(x)));
+  // A checkpoint of one loads into the other, by name.
+  std::stringstream stream;
+  torch::save(plain, stream);
+  torch::nn::Linear loaded_plain(7, 3);
+  mp::nn::Mappable<torch::nn::Linear> loaded(7, 3);
+  torch::load(loaded, stream);
+  CHECK(test::identical(loaded->inner()->weight, plain->weight));
+  // Inside a Sequential, and its mode reaches the wrapped module.
+  torch::nn::Sequential seq(mp::nn::Mappable<torch::nn::Dropout>(0.5));
+  seq->eval();
+  const auto ones = torch::ones({100});
+  CHECK(test::identical(seq->forward(ones), ones));  // eval: dropout is the identity
+  seq->train();
+  CHECK_FALSE(test::identical(seq->forward(ones), ones));
+}
+
+TEST_CASE("MixedO2<BFloat16> with norms and classifier kept fp32: dtypes, masters and training") {
+  auto model = encoder();
+  const auto names_before = keys(*model);
+  auto map = mp::PrecisionMap().keep_fp32("norm*").keep_fp32("head");
+  if (!mp::mixed_dtype_norms) {
+    // LibTorch 1.13: LayerNorm cannot take bf16 input with fp32 weights; the map says so.
+    CHECK_THROWS_WITH_AS(mp::apply_precision_map<mp::MixedO2<at::BFloat16>>(model, map),
+                         doctest::Contains("LibTorch 1.13's LayerNorm and GroupNorm refuse"),
+                         mp::Error);
+    map = mp::PrecisionMap().keep_fp32("head");
+  }
+  const auto changed = mp::apply_precision_map<mp::MixedO2<at::BFloat16>>(model, map);
+  std::vector<std::string> changed_names;
+  for (const auto& m : changed) {
+    changed_names.push_back(m.name);
+    CHECK(m.dtype == at::kFloat);
+  }
+  CHECK(changed_names == (mp::mixed_dtype_norms
+                              ? std::vector<std::string>{"norm1", "norm2", "head"}
+                              : std::vector<std::string>{"head"}));
+  std::vector<at::Tensor> params;
+  const auto losses = train_encoder<mp::MixedO2<at::BFloat16>>(model, 30, &params);
+  CHECK(keys(*model) == names_before);  // state_dict names unchanged
+  const auto named = model->named_parameters();
+  CHECK(named["inp.weight"].scalar_type() == at::kBFloat16);
+  CHECK(named["ffn.0.weight"].scalar_type() == at::kBFloat16);
+  CHECK(named["norm1.weight"].scalar_type() == (mp::mixed_dtype_norms ? at::kFloat : at::kBFloat16));
+  CHECK(named["head.weight"].scalar_type() == at::kFloat);
+  CHECK(named["head.bias"].scalar_type() == at::kFloat);
+  {  // The head computes in fp32 and hands the model's output back in its compute dtype.
+    at::NoGradGuard no_grad;
+    CHECK(model->forward(torch::randn({2, 16}).to(at::kBFloat16)).scalar_type() == at::kBFloat16);
+  }
+  // It trains as the fp32 model does, within bf16's rounding of the other layers.
+  const auto reference = train_encoder<mp::FullPrecision>(encoder(), 30);
+  double largest = 0.0;
+  for (std::size_t i = 0; i < losses.size(); ++i) {
+    largest = std::max(largest, std::abs(losses[i] - reference[i]));
+  }
+  MESSAGE("MixedO2<BFloat16> with fp32 norms and head vs FullPrecision, 30 AdamW steps: largest "
+          "loss difference ", largest, " (first loss ", reference.front(), ", last ",
+          reference.back(), ")");
+  CHECK(largest < 0.05);
+  CHECK(losses[losses.size() - 2] < losses.front() - 0.3);  // the same batch, 28 steps later
+}
+
+TEST_CASE("a module mapped to fp32 around the whole network trains MixedO2<BFloat16> bit for bit "
+          "as FullPrecision") {
+  // With fp32 inputs and every parameter in one fp32 region, each parameter is its own master:
+  // the step is FullPrecision's, the loss scaler and master bookkeeping included.
+  const auto make = [] {
+    torch::manual_seed(11);
+    return torch::nn::Sequential(mp::nn::Mappable<torch::nn::Sequential>(
+        torch::nn::Linear(16, 32), torch::nn::ReLU(), torch::nn::LayerNorm(
+            torch::nn::LayerNormOptions({32})), torch::nn::Linear(32, 5)));
+  };
+  const auto run = [](auto policy, torch::nn::Sequential model, bool map) {
+    using P = decltype(policy);
+    if (map) mp::apply_precision_map<P>(model, mp::PrecisionMap().keep_fp32("0"));
+    torch::optim::AdamW optimizer(model->parameters(), torch::optim::AdamWOptions(1e-2));
+    mp::Trainer<P> trainer(model, optimizer);
+    std::vector<at::Tensor> losses;
+    for (int i = 0; i < 6; ++i) {
+      const auto [x, y] = encoder_batch(200 + i);
+      losses.push_back(trainer.step([&, &x = x, &y = y] {
+        return torch::nn::functional::cross_entropy(model->forward(x), y);
+      }).loss);
+    }
+    auto params = test::snapshot(model->parameters());
+    params.insert(params.end(), losses.begin(), losses.end());
+    return params;
+  };
+  const auto reference = run(mp::FullPrecision{}, make(), false);
+  const auto mapped = run(mp::MixedO2<at::BFloat16>{}, make(), true);
+  MESSAGE("largest difference of parameters and losses: ", test::max_abs_diff(mapped, reference));
+  CHECK(test::identical(mapped, reference));
+}
+
+TEST_CASE("a CNN with BatchNorm and GroupNorm kept fp32 under MixedO2<BFloat16>, a frozen mapped head") {
+  torch::manual_seed(2);
+  torch::nn::Sequential model(
+      torch::nn::Conv2d(torch::nn::Conv2dOptions(1, 4, 3).padding(1)), torch::nn::BatchNorm2d(4),
+      torch::nn::ReLU(), torch::nn::Conv2d(torch::nn::Conv2dOptions(4, 4, 3).padding(1)),
+      torch::nn::GroupNorm(2, 4), torch::nn::ReLU(), torch::nn::Flatten(),
+      mp::nn::Mappable<torch::nn::Linear>(4 * 8 * 8, 3));
+  const auto map = mp::PrecisionMap().keep_fp32("1").keep_fp32("4").keep_fp32("7");
+  if (!mp::mixed_dtype_norms) {
+    CHECK_THROWS_WITH_AS(mp::apply_precision_map<mp::MixedO2<at::BFloat16>>(model, map),
+                         doctest::Contains("module '4' (torch::nn::GroupNormImpl)"), mp::Error);
+    return;  // LibTorch 1.13: GroupNorm cannot take bf16 input with fp32 weights
+  }
+  mp::apply_precision_map<mp::MixedO2<at::BFloat16>>(model, map);
+  auto head = model[7];
+  for (auto& p : head->parameters()) p.requires_grad_(false);  // frozen: never changes
+  const auto head_before = test::snapshot(head->parameters());
+  torch::optim::SGD optimizer(model->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
+  mp::Trainer<mp::MixedO2<at::BFloat16>> trainer(model, optimizer);
+  const auto named = model->named_parameters();
+  CHECK(named["0.weight"].scalar_type() == at::kBFloat16);
+  CHECK(named["1.weight"].scalar_type() == at::kFloat);
+  CHECK(named["4.weight"].scalar_type() == at::kFloat);
+  CHECK(named["7.weight"].scalar_type() == at::kFloat);
+  CHECK(model->named_buffers()["1.running_mean"].scalar_type() == at::kFloat);
+  const auto first_conv = named["0.weight"].detach().clone();
+  torch::manual_seed(9);
+  const auto x = torch::randn({16, 1, 8, 8});
+  const auto y = torch::randint(0, 3, {16}, at::kLong);
+  double first = 0.0, last = 0.0;
+  for (int i = 0; i < 20; ++i) {
+    const auto report = trainer.step([&] {
+      return torch::nn::functional::cross_entropy(model->forward(trainer.cast_input(x)), y);
+    });
+    CHECK(report.status == mp::StepStatus::stepped);
+    (i == 0 ? first : last) = report.loss.item<double>();
+  }
+  CHECK(last < first);
+  CHECK(test::identical(test::snapshot(head->parameters()), head_before));
+  CHECK_FALSE(test::identical(named["0.weight"], first_conv));
+}
+
+TEST_CASE("MixedO1<BFloat16>: autocast is off inside a module mapped to fp32") {
+  auto model = encoder();
+  mp::apply_precision_map<mp::MixedO1<at::BFloat16>>(model, mp::PrecisionMap().keep_fp32("head"));
+  torch::optim::AdamW optimizer(model->parameters(), torch::optim::AdamWOptions(1e-3));
+  mp::Trainer<mp::MixedO1<at::BFloat16>> trainer(model, optimizer);
+  torch::manual_seed(4);
+  const auto h = torch::randn({8, 32}).to(at::kBFloat16);  // as an autocast layer hands it on
+  const auto w = model->head->inner()->weight, b = model->head->inner()->bias;
+  trainer.evaluate([&] {
+    const auto out = model->head->forward(h);
+    CHECK(out.scalar_type() == at::kBFloat16);  // back in the dtype it came in
+    at::Tensor fp32;
+    {
+      mp::AutocastGuard off(c10::DeviceType::CPU, at::kBFloat16, /*enabled=*/false);
+      fp32 = at::linear(h.to(at::kFloat), w, b);
+    }
+    CHECK(test::identical(out, fp32.to(at::kBFloat16)));
+    // The same Linear unmapped, under the same autocast, computes in bf16.
+    CHECK(model->head->inner()->forward(h.to(at::kFloat)).scalar_type() == at::kBFloat16);
+    return out;
+  });
+  const auto [x, y] = encoder_batch(1);
+  CHECK(trainer.step([&, &x = x, &y = y] {
+    return torch::nn::functional::cross_entropy(model->forward(x), y);
+  }).status == mp::StepStatus::stepped);
+}
+
+TEST_CASE("Fp32Region: autocast off and fp32 inside a block of the user's own code") {
+  mp::AutocastGuard autocast(c10::DeviceType::CPU, at::kBFloat16);
+  torch::manual_seed(6);
+  const auto a = torch::randn({4, 4}).to(at::kBFloat16);
+  CHECK(at::mm(a, a).scalar_type() == at::kBFloat16);
+  const auto outside = at::mm(a.to(at::kFloat), a.to(at::kFloat));  // autocast: computed in bf16
+  {
+    mp::Fp32Region fp32;
+    const auto inside = at::mm(fp32.in(a), fp32.in(a));
+    CHECK(inside.scalar_type() == at::kFloat);
+    at::Tensor reference;
+    {
+      mp::AutocastGuard off(c10::DeviceType::CPU, at::kBFloat16, /*enabled=*/false);
+      reference = at::mm(a.to(at::kFloat), a.to(at::kFloat));
+    }
+    CHECK(test::identical(inside, reference));
+    CHECK(fp32.out(inside).scalar_type() == at::kBFloat16);
+  }
+  CHECK(outside.scalar_type() == at::kBFloat16);  // autocast is back on after the region
+}
+
+TEST_CASE("apply_precision_map refuses what it cannot do, naming the module, and changes nothing") {
+  SUBCASE("a rule that matches nothing names the closest modules") {
+    auto model = encoder();
+    CHECK_THROWS_WITH_AS(
+        mp::apply_precision_map<mp::MixedO2<at::BFloat16>>(model, mp::PrecisionMap().keep_fp32("haed")),
+        doctest::Contains("rule 'haed' (fp32) matches no module of the model; the closest "
+                          "names: 'head'"), mp::Error);
+    // Nothing changed: a corrected map applies.
+    CHECK(mp::apply_precision_map<mp::MixedO2<at::BFloat16>>(model, mp::PrecisionMap().keep_fp32("head"))
+              .size() == 1);
+  }
+  SUBCASE("a plain module whose inputs would need a cast") {
+    auto model = encoder();
+    CHECK_THROWS_WITH_AS(
+        mp::apply_precision_map<mp::MixedO2<at::BFloat16>>(model, mp::PrecisionMap().keep_fp32("inp")),
+        doctest::Contains("module 'inp' (torch::nn::LinearImpl) is mapped to Float inside "
+                          "BFloat16 computation under MixedO2<BFloat16>, but LibTorch modules "
+                          "have no forward hooks"), mp::Error);
+    CHECK_THROWS_WITH_AS(
+        mp::apply_precision_map<mp::MixedO2<at::BFloat16>>(model, mp::PrecisionMap().keep_fp32("ffn")),
+        doctest::Contains("mixprec::nn::Mappable<torch::nn::Sequential>"), mp::Error);
+    // Under MixedO1 a norm layer too: only a Mappable turns autocast off.
+    CHECK_THROWS_WITH_AS(
+        mp::apply_precision_map<mp::MixedO1<at::BFloat16>>(model, mp::PrecisionMap().keep_fp32("norm1")),
+        doctest::Contains("module 'norm1'"), mp::Error);
+    // A Mappable inside a Sequential is a fine place to change precision.
+    CHECK(mp::apply_precision_map<mp::MixedO2<at::BFloat16>>(model, mp::PrecisionMap().keep_fp32("ffn.0"))
+              .size() == 1);
+  }
+  SUBCASE("a model mapped twice, or after its Trainer was built") {
+    auto model = encoder();
+    mp::apply_precision_map<mp::MixedO2<at::BFloat16>>(model, mp::PrecisionMap().keep_fp32("head"));
+    CHECK_THROWS_WITH_AS(
+        mp::apply_precision_map<mp::MixedO2<at::BFloat16>>(model, mp::PrecisionMap().keep_fp32("norm1")),
+        doctest::Contains("this model has a precision map already"), mp::Error);
+    auto other = encoder();
+    torch::optim::SGD optimizer(other->parameters(), torch::optim::SGDOptions(0.1));
+    mp::Trainer<mp::MixedO2<at::BFloat16>> trainer(other, optimizer);
+    const auto before = test::snapshot(other->parameters());
+    CHECK_THROWS_WITH_AS(
+        mp::apply_precision_map<mp::MixedO2<at::BFloat16>>(other, mp::PrecisionMap().keep_fp32("head")),
+        doctest::Contains("a Trainer trains this model already"), mp::Error);
+    CHECK(test::identical(test::snapshot(other->parameters()), before));
+  }
+  SUBCASE("a tensor tied between an fp32 module and a Low one") {
+    // The head (kept fp32) registered under a second name, which the map leaves bf16: one
+    // module, so one tensor, cannot be both.
+    auto model = encoder();
+    model->register_module("alias", model->head);
+    CHECK_THROWS_WITH_AS(
+        mp::apply_precision_map<mp::MixedO2<at::BFloat16>>(model, mp::PrecisionMap().keep_fp32("head")),
+        doctest::Contains("'alias.weight' is the same tensor as 'head.weight' (tied)"), mp::Error);
+  }
+}
+
+TEST_CASE("tied weights inside one module mapped to fp32 stay one fp32 tensor, trained once") {
+  torch::manual_seed(8);
+  torch::nn::Linear shared(8, 8);  // one Linear used twice: tied as LibTorch ties them
+  torch::nn::Sequential inner(shared, torch::nn::Tanh(), shared);
+  torch::nn::Sequential model(torch::nn::Linear(8, 8),
+                              mp::nn::Mappable<torch::nn::Sequential>(inner),
+                              torch::nn::Linear(8, 2));
+  CHECK(model->named_parameters()["1.0.weight"].is_same(model->named_parameters()["1.2.weight"]));
+  mp::apply_precision_map<mp::MixedO2<at::BFloat16>>(model, mp::PrecisionMap().keep_fp32("1"));
+  torch::optim::SGD optimizer(model->parameters(), torch::optim::SGDOptions(0.1));
+  mp::Trainer<mp::MixedO2<at::BFloat16>> trainer(model, optimizer);
+  const auto tied = model->named_parameters()["1.0.weight"];
+  CHECK(tied.scalar_type() == at::kFloat);
+  CHECK(tied.is_same(model->named_parameters()["1.2.weight"]));
+  CHECK(model->named_parameters()["0.weight"].scalar_type() == at::kBFloat16);
+  const auto before = tied.detach().clone();
+  torch::manual_seed(1);
+  const auto x = torch::randn({4, 8});
+  const auto y = torch::randint(0, 2, {4}, at::kLong);
+  // One SGD step moves the tied tensor by lr times the sum of both uses' gradients, once.
+  const auto report = trainer.step([&] {
+    return torch::nn::functional::cross_entropy(model->forward(trainer.cast_input(x)), y);
+  });
+  CHECK(report.status == mp::StepStatus::stepped);
+  const auto grad = tied.grad();
+  REQUIRE(grad.defined());
+  CHECK(torch::allclose(tied.detach(), before - 0.1 * grad, 1e-6, 1e-7));  // not 2x: once
+}
+
+TEST_CASE("a mapped model's checkpoint resumes bit for bit under MixedO2<BFloat16>") {
+  const auto path = std::string(MIXPREC_TEST_TMPDIR) + "/mapped_encoder.ckpt";
+  const auto map = mp::PrecisionMap().keep_fp32("proj").keep_fp32("head");
+  const auto steps = [](mp::Trainer<mp::MixedO2<at::BFloat16>>& trainer, Encoder& model, int from,
+                        int to) {
+    for (int i = from; i < to; ++i) {
+      const auto [x, y] = encoder_batch(300 + i);
+      (void)trainer.step([&, &x = x, &y = y] {
+        return torch::nn::functional::cross_entropy(model.forward(trainer.cast_input(x)), y);
+      });
+    }
+  };
+  auto model = encoder(5);
+  mp::apply_precision_map<mp::MixedO2<at::BFloat16>>(model, map);
+  torch::optim::AdamW optimizer(model->parameters(), torch::optim::AdamWOptions(1e-2));
+  mp::Trainer<mp::MixedO2<at::BFloat16>> trainer(model, optimizer);
+  steps(trainer, *model, 0, 3);
+  trainer.save(path);
+  steps(trainer, *model, 3, 6);
+
+  auto resumed = encoder(77);  // other initial values: all of them come from the checkpoint
+  mp::apply_precision_map<mp::MixedO2<at::BFloat16>>(resumed, map);
+  torch::optim::AdamW resumed_optimizer(resumed->parameters(), torch::optim::AdamWOptions(1e-2));
+  mp::Trainer<mp::MixedO2<at::BFloat16>> resumed_trainer(resumed, resumed_optimizer);
+  resumed_trainer.load(path);
+  CHECK(resumed->named_parameters()["head.weight"].scalar_type() == at::kFloat);
+  steps(resumed_trainer, *resumed, 3, 6);
+  CHECK(test::identical(test::snapshot(resumed->parameters()), test::snapshot(model->parameters())));
+  CHECK(test::identical(resumed_trainer.master_weights(), trainer.master_weights()));
 }

@@ -16,7 +16,7 @@ struct StaticScaledO2 : mp::MixedO2<at::Half> {  // a user's custom policy
 struct NoName {
   static constexpr c10::ScalarType low_dtype = c10::ScalarType::Float;
   static constexpr bool autocast = false, cast_model = false, master_weights = false,
-                        keep_norm_fp32 = true;
+                        keep_batch_norm_fp32 = true;
   using scaler_type = mp::NoScaler;
 };
 struct RuntimeFlag : mp::FullPrecision {
@@ -75,7 +75,7 @@ TEST_CASE_TEMPLATE("every policy describes itself consistently", P, mp::FullPrec
     const std::string_view low = P::low_dtype == c10::ScalarType::Half ? "<Half>" : "<BFloat16>";
     CHECK(name.substr(name.size() - low.size()) == low);
   }
-  CHECK(P::master_weights == (P::cast_model && P::keep_norm_fp32));
+  CHECK(P::master_weights == (P::cast_model && P::keep_batch_norm_fp32));
 }
 
 TEST_CASE("policy names are the ones logs and checkpoints use") {

@@ -74,8 +74,8 @@ TEST_CASE_TEMPLATE("every policy trains: the loss goes down, dtypes are as the p
   const auto bn = net->norm->weight;
   if constexpr (P::cast_model) {
     CHECK(w.scalar_type() == at::kBFloat16);
-    CHECK(bn.scalar_type() == (P::keep_norm_fp32 ? at::kFloat : at::kBFloat16));
-    CHECK(net->norm->running_mean.scalar_type() == (P::keep_norm_fp32 ? at::kFloat : at::kBFloat16));
+    CHECK(bn.scalar_type() == (P::keep_batch_norm_fp32 ? at::kFloat : at::kBFloat16));
+    CHECK(net->norm->running_mean.scalar_type() == (P::keep_batch_norm_fp32 ? at::kFloat : at::kBFloat16));
   } else {
     CHECK(w.scalar_type() == at::kFloat);
   }

@@ -22,6 +22,7 @@
 #include <mixprec/error.hpp>
 #include <mixprec/nn.hpp>
 #include <mixprec/policy.hpp>
+#include <mixprec/precision_map.hpp>
 #include <mixprec/scaler.hpp>
 
 #include <ATen/ATen.h>
@@ -81,6 +82,8 @@ struct LayerAdvice {
   bool non_finite = false;          ///< the fp32 run itself produced inf/NaN here
   bool fp16 = true;                 ///< fp16 holds its activations and gradients
   bool bf16 = true;                 ///< bf16 holds its activations
+  bool fp16_outputs = true;         ///< fp16 holds its activations (fp16 may still fail on gradients)
+  bool module = false;              ///< a module of the model (its name a named_modules() path)
   std::string fp16_reason, bf16_reason;  ///< why not, when not
 };
 
@@ -109,6 +112,29 @@ struct Advice {
       if (low == c10::ScalarType::Half ? !layer.fp16 : !layer.bf16) result.push_back(layer.name);
     }
     return result;
+  }
+
+  /// The PrecisionMap that keeps in fp32 the modules `low` (at::kHalf or at::kBFloat16) cannot
+  /// hold. A module whose outputs `low` cannot hold keeps them in fp32 (Output::as_module), and
+  /// the next module the forward pass used reads them in fp32 too and hands its own back in `low`
+  /// (it is taken as their reader: check it for a model whose data flow branches). Op names and
+  /// NamedScopes are not modules and are left out. Apply it to a model whose modules it names
+  /// are mixprec::nn::Mappable (apply_precision_map says which are not).
+  PrecisionMap precision_map(c10::ScalarType low) const {
+    PrecisionMap map;
+    bool reads_fp32 = false;  // the previous module left its outputs in fp32
+    for (const auto& layer : layers) {
+      if (!layer.module) continue;
+      const bool half = low == c10::ScalarType::Half;
+      const bool holds = half ? layer.fp16 : layer.bf16;
+      // bf16 fails on outputs alone (beyond its range, or inf/NaN already in fp32).
+      const bool outputs_fit = half ? layer.fp16_outputs && !layer.non_finite : layer.bf16;
+      if (!holds || reads_fp32) {
+        map.keep_fp32(layer.name, outputs_fit ? Output::as_input : Output::as_module);
+      }
+      reads_fp32 = !outputs_fit;
+    }
+    return map;
   }
 
   /// Whether the fp32 steps allow policy P as it is (no layer kept in fp32): its low dtype must
@@ -574,6 +600,10 @@ Advice advise(torch::nn::Module& model, LossFn&& loss_fn, const AdviseOptions& o
     if (gradients.count(name)) (void)layer_slot(name);
   }
   for (auto& layer : advice.layers) {
+    layer.module = std::any_of(params.begin(), params.end(),
+                               [&](const auto& param) { return param.first == layer.name; });
+  }
+  for (auto& layer : advice.layers) {
     auto& l = layer;
     if (l.non_finite) {
       l.fp16 = l.bf16 = false;
@@ -585,11 +615,11 @@ Advice advise(torch::nn::Module& model, LossFn&& loss_fn, const AdviseOptions& o
       l.bf16_reason = "|x| reaches " + detail::short_number(l.activation_max) + ", beyond bf16's 3.4e38";
     }
     if (l.activation_max > fp16_limit) {
-      l.fp16 = false;
+      l.fp16 = l.fp16_outputs = false;
       l.fp16_reason = "|x| reaches " + detail::short_number(l.activation_max) + ", beyond fp16's " +
                       "65504" + (options.headroom() > 1 ? " / headroom " + detail::short_number(options.headroom()) : "");
     } else if (l.activation_tiny > options.underflow_tolerance()) {
-      l.fp16 = false;
+      l.fp16 = l.fp16_outputs = false;
       l.fp16_reason = detail::short_number(100 * l.activation_tiny) +
                       "% of its nonzero outputs are below fp16's 2^-24 and would be 0";
     }

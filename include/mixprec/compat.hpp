@@ -43,6 +43,10 @@ inline constexpr bool cpu_half_math = MIXPREC_TORCH_AT_LEAST(2, 4);
 /// True where ATen has the fused Adam/AdamW kernels on the CPU (LibTorch >= 2.4).
 inline constexpr bool fused_adam_available = MIXPREC_TORCH_AT_LEAST(2, 4);
 
+/// True where LayerNorm and GroupNorm take bf16/fp16 input with fp32 weights (LibTorch 2.x;
+/// 1.13's CPU kernels refuse mixed dtypes): a precision map can keep them fp32 inside a Low model.
+inline constexpr bool mixed_dtype_norms = TORCH_VERSION_MAJOR >= 2;
+
 /// True where the Gloo backend reduces bf16 tensors (LibTorch 2.x; 1.13's cannot).
 inline constexpr bool gloo_reduces_bf16 = TORCH_VERSION_MAJOR >= 2;
 

@@ -29,7 +29,7 @@ concept HasPolicyFlags = requires {
   typename std::bool_constant<P::autocast>;
   typename std::bool_constant<P::cast_model>;
   typename std::bool_constant<P::master_weights>;
-  typename std::bool_constant<P::keep_norm_fp32>;
+  typename std::bool_constant<P::keep_batch_norm_fp32>;
 };
 
 template <class P>
@@ -63,7 +63,7 @@ struct PolicyCheck {
                 "(kFloat, kHalf or kBFloat16)");
   static_assert(HasPolicyFlags<P>,
                 "mixprec: a precision policy needs the constexpr bools autocast, cast_model, "
-                "master_weights and keep_norm_fp32");
+                "master_weights and keep_batch_norm_fp32");
   static_assert(HasScalerType<P>,
                 "mixprec: a precision policy needs `using scaler_type = ...` (GradScaler, "
                 "StaticScaler or NoScaler)");

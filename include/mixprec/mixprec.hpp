@@ -13,6 +13,7 @@
 #include <mixprec/nn.hpp>
 #include <mixprec/ops.hpp>
 #include <mixprec/policy.hpp>
+#include <mixprec/precision_map.hpp>
 #include <mixprec/scaler.hpp>
 #include <mixprec/trainer.hpp>
 #include <mixprec/version.hpp>

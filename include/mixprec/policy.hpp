@@ -78,7 +78,7 @@ struct FullPrecision {
   static constexpr bool autocast = false;
   static constexpr bool cast_model = false;
   static constexpr bool master_weights = false;
-  static constexpr bool keep_norm_fp32 = true;
+  static constexpr bool keep_batch_norm_fp32 = true;
   using scaler_type = NoScaler;
 };
 
@@ -89,7 +89,7 @@ struct MixedO1 : detail::LowPrecisionPolicy<Low> {
   static constexpr bool autocast = true;
   static constexpr bool cast_model = false;
   static constexpr bool master_weights = false;
-  static constexpr bool keep_norm_fp32 = true;
+  static constexpr bool keep_batch_norm_fp32 = true;
   using scaler_type = typename detail::LowPrecision<Low>::dynamic_scaler;
 };
 
@@ -101,7 +101,7 @@ struct MixedO2 : detail::LowPrecisionPolicy<Low> {
   static constexpr bool autocast = false;
   static constexpr bool cast_model = true;
   static constexpr bool master_weights = true;
-  static constexpr bool keep_norm_fp32 = true;
+  static constexpr bool keep_batch_norm_fp32 = true;
   using scaler_type = typename detail::LowPrecision<Low>::dynamic_scaler;
 };
 
@@ -112,7 +112,7 @@ struct PureHalf : detail::LowPrecisionPolicy<Low> {
   static constexpr bool autocast = false;
   static constexpr bool cast_model = true;
   static constexpr bool master_weights = false;
-  static constexpr bool keep_norm_fp32 = false;
+  static constexpr bool keep_batch_norm_fp32 = false;
   using scaler_type = NoScaler;
 };
 

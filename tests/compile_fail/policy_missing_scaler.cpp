@@ -9,7 +9,7 @@ struct MyPolicy {
   static constexpr bool autocast = true;
   static constexpr bool cast_model = false;
   static constexpr bool master_weights = false;
-  static constexpr bool keep_norm_fp32 = true;
+  static constexpr bool keep_batch_norm_fp32 = true;
 #ifndef MIXPREC_COMPILE_FAIL
   using scaler_type = mixprec::NoScaler;
 #endif

@@ -10,6 +10,7 @@
 #include <torch/nn/module.h>
 #include <torch/nn/modules/batchnorm.h>
 #include <torch/nn/modules/embedding.h>
+#include <torch/nn/modules/normalization.h>
 
 #include <memory>
 #include <mutex>
@@ -28,15 +29,56 @@ inline bool is_batch_norm(const torch::nn::Module& module) {
          dynamic_cast<const torch::nn::BatchNorm3dImpl*>(&module) != nullptr;
 }
 
+/// LayerNorm and GroupNorm, whose CPU kernels take bf16/fp16 input with fp32 weights from
+/// LibTorch 2.x on (1.13 refuses; checked on 1.13 and 2.13).
+inline bool is_layer_or_group_norm(const torch::nn::Module& module) {
+  return dynamic_cast<const torch::nn::LayerNormImpl*>(&module) != nullptr ||
+         dynamic_cast<const torch::nn::GroupNormImpl*>(&module) != nullptr;
+}
+
+/// The modules that apply_precision_map keeps in fp32 (precision_map.hpp), and the models it
+/// mapped: process-wide, by address, each with a weak reference that tells a live module from a
+/// new one at a freed one's address.
+class PrecisionRegistry {
+ public:
+  static PrecisionRegistry& instance() {
+    static PrecisionRegistry registry;
+    return registry;
+  }
+  void keep_fp32(const std::shared_ptr<torch::nn::Module>& module) { add(fp32_, module); }
+  void mark_mapped(const std::shared_ptr<torch::nn::Module>& model) { add(mapped_, model); }
+  bool kept_fp32(const torch::nn::Module& module) { return live(fp32_, module); }
+  bool mapped(const torch::nn::Module& model) { return live(mapped_, model); }
+
+ private:
+  using Entries = std::unordered_map<const torch::nn::Module*, std::weak_ptr<torch::nn::Module>>;
+  void add(Entries& entries, const std::shared_ptr<torch::nn::Module>& module) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    std::erase_if(entries, [](const auto& entry) { return entry.second.expired(); });
+    entries[module.get()] = module;
+  }
+  bool live(Entries& entries, const torch::nn::Module& module) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (entries.empty()) return false;
+    const auto it = entries.find(&module);
+    return it != entries.end() && it->second.lock().get() == &module;
+  }
+  std::mutex mutex_;
+  Entries fp32_, mapped_;
+};
+
 /// Casts every floating parameter and buffer of `model` to `dtype`, except BatchNorm's when
-/// `keep_batch_norm_fp32`; with `only`, just those of its parameters that are fp32 (a param
-/// group added after construction). Tensors keep their identity (set_data), so optimizers
-/// built on model->parameters() still point at them.
+/// `keep_batch_norm_fp32` and those of the modules a precision map keeps in fp32; with `only`,
+/// just those of its parameters that are fp32 (a param group added after construction).
+/// Tensors keep their identity (set_data), so optimizers built on model->parameters() still
+/// point at them.
 inline void cast_model(torch::nn::Module& model, at::ScalarType dtype, bool keep_batch_norm_fp32,
                        const std::vector<at::Tensor>* only = nullptr) {
   const auto selected = only != nullptr ? identities(*only) : std::unordered_set<const void*>{};
+  auto& registry = PrecisionRegistry::instance();
   for (const auto& module : model.modules(/*include_self=*/true)) {
     if (keep_batch_norm_fp32 && is_batch_norm(*module)) continue;
+    if (registry.kept_fp32(*module)) continue;
     for (auto& item : module->named_parameters(/*recurse=*/false)) {
       auto& p = item.value();
       if (only != nullptr && (selected.count(p.unsafeGetTensorImpl()) == 0 || p.scalar_type() != at::kFloat)) {
@@ -81,6 +123,17 @@ class ModelClaim {
  public:
   /// Claims `params` for a Trainer of `policy`; throws if a live Trainer other than the holder
   /// of `previous` (the caller's own earlier claim) trains any of them.
+  /// Whether a live Trainer trains any of `params`.
+  static bool any_claimed(const std::vector<at::Tensor>& params) {
+    auto& registry = instance();
+    std::lock_guard<std::mutex> lock(registry.mutex);
+    for (const auto& p : params) {
+      const auto it = registry.owners.find(p.unsafeGetTensorImpl());
+      if (it != registry.owners.end() && !it->second.expired()) return true;
+    }
+    return false;
+  }
+
   static std::shared_ptr<ModelClaim> acquire(const std::vector<at::Tensor>& params,
                                              std::string_view policy,
                                              const ModelClaim* previous = nullptr) {

@@ -68,7 +68,7 @@ class TrainedTensors {
       if constexpr (P::master_weights) {
         for (const auto& p : params_) fp32_values.push_back(p.detach().clone());
       }
-      cast_model(model, P::low_dtype, P::keep_norm_fp32);
+      cast_model(model, P::low_dtype, P::keep_batch_norm_fp32);
       if constexpr (P::master_weights) masters_.emplace(params_, fp32_values, optimizer);
     }
     dedupe_param_groups(optimizer);  // the optimizer steps each tensor once
@@ -111,7 +111,7 @@ class TrainedTensors {
     if (masters_) {
       for (const auto& p : fresh) fp32_values.push_back(p.detach().to(at::kFloat).clone());
     }
-    if constexpr (P::cast_model) cast_model(model, P::low_dtype, P::keep_norm_fp32, &fresh);
+    if constexpr (P::cast_model) cast_model(model, P::low_dtype, P::keep_batch_norm_fp32, &fresh);
     if (masters_) masters_->bind(fresh, fp32_values, optimizer);
     dedupe_param_groups(optimizer);
     if (!masters_) fit_construction_state(optimizer);  // Adagrad: the new group's state

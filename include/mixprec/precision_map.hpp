@@ -1,0 +1,433 @@
+#pragma once
+/// Per-module precision: a PrecisionMap names modules by path and gives them a precision other
+/// than the policy's (fp32 inside a MixedO2 model, say); apply_precision_map<P> assigns it before
+/// the Trainer is built, keeping every parameter and buffer name.
+///
+///   struct Net : torch::nn::Module {
+///     torch::nn::Linear fc{64, 64};
+///     torch::nn::LayerNorm norm{torch::nn::LayerNormOptions({64})};   // a norm layer: as it is
+///     mixprec::nn::Mappable<torch::nn::Linear> head{64, 10};          // anything else: wrapped
+///     ...
+///   };
+///   auto model = std::make_shared<Net>();
+///   mixprec::apply_precision_map<mixprec::MixedO2<at::BFloat16>>(
+///       model, mixprec::PrecisionMap().keep_fp32("norm").keep_fp32("head"));
+///   mixprec::Trainer<mixprec::MixedO2<at::BFloat16>> trainer(model, optimizer);
+///
+/// LibTorch modules have no forward hooks, and a model's forward calls its members directly, so
+/// a module whose inputs must change dtype has to be declared as mixprec::nn::Mappable<M> (the
+/// same parameters, state_dict keys and forward as M). Norm layers need no wrapper under
+/// MixedO2/PureHalf: BatchNorm always, LayerNorm and GroupNorm where mixed_dtype_norms (LibTorch
+/// 2.x), take Low input with fp32 weights. A module the map cannot change is an Error that names
+/// it, before anything changes.
+
+#include <mixprec/autocast.hpp>
+#include <mixprec/compat.hpp>
+#include <mixprec/concepts.hpp>
+#include <mixprec/detail/model_cast.hpp>
+#include <mixprec/detail/tensor_set.hpp>
+#include <mixprec/error.hpp>
+
+#include <ATen/ATen.h>
+#include <torch/nn/module.h>
+#include <torch/nn/pimpl.h>
+
+#include <algorithm>
+#include <concepts>
+#include <cstddef>
+#include <initializer_list>
+#include <memory>
+#include <optional>
+#include <ostream>
+#include <sstream>
+#include <string>
+#include <string_view>
+#include <type_traits>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+namespace mixprec {
+
+/// What a module computes in, whatever its policy gives the rest of the model.
+enum class Precision {
+  fp32,  ///< fp32 parameters and compute; autocast off inside it under MixedO1
+  low,   ///< the policy's low dtype (fp32 under FullPrecision); autocast on under MixedO1
+};
+
+inline std::ostream& operator<<(std::ostream& stream, Precision precision) {
+  return stream << (precision == Precision::fp32 ? "fp32" : "low");
+}
+
+/// Where the output of a module whose precision differs from its surroundings goes.
+enum class Output {
+  as_input,   ///< cast back to the dtype its input came in: the code around it does not change
+  as_module,  ///< left in the module's own dtype: for values the surroundings' dtype cannot hold
+              ///< (fp16 beyond 65504), which the next module must then read in fp32 too
+};
+
+/// One rule of a PrecisionMap.
+struct PrecisionRule {
+  std::string pattern;  ///< a module path of named_modules(); `*` any characters but '.', `**` any
+  Precision precision;
+  Output output = Output::as_input;
+};
+
+/// Ordered rules from module-path patterns to precisions. A module takes the precision of the
+/// first rule that matches its path, else its parent's; the model's root takes its policy's.
+class PrecisionMap {
+ public:
+  PrecisionMap() = default;
+  PrecisionMap(std::initializer_list<PrecisionRule> rules) : rules_(rules) {}
+
+  /// Appends a rule (it decides only for modules no earlier rule matches).
+  PrecisionMap& add(std::string pattern, Precision precision, Output output = Output::as_input) {
+    rules_.push_back({std::move(pattern), precision, output});
+    return *this;
+  }
+  PrecisionMap& keep_fp32(std::string pattern, Output output = Output::as_input) {
+    return add(std::move(pattern), Precision::fp32, output);
+  }
+
+  const std::vector<PrecisionRule>& rules() const noexcept { return rules_; }
+  bool empty() const noexcept { return rules_.empty(); }
+
+  /// The first rule that matches `path`, or nullptr.
+  const PrecisionRule* match(std::string_view path) const;
+
+ private:
+  std::vector<PrecisionRule> rules_;
+};
+
+/// A module whose precision differs from its policy's, as apply_precision_map assigned it.
+struct ModulePrecision {
+  std::string name;  ///< its named_modules() path
+  Precision precision;
+  c10::ScalarType dtype;  ///< what it computes in
+};
+
+namespace detail {
+
+// `*` matches any run of characters but '.', `**` any run, `?` one character but '.'.
+inline bool glob_match(std::string_view pattern, std::string_view path) {
+  if (pattern.empty()) return path.empty();
+  if (pattern.substr(0, 2) == "**") {
+    const auto rest = pattern.substr(2);
+    for (std::size_t i = 0; i <= path.size(); ++i) {
+      if (glob_match(rest, path.substr(i))) return true;
+    }
+    return false;
+  }
+  if (pattern.front() == '*') {
+    const auto rest = pattern.substr(1);
+    for (std::size_t i = 0; i <= path.size(); ++i) {
+      if (glob_match(rest, path.substr(i))) return true;
+      if (i < path.size() && path[i] == '.') return false;
+    }
+    return false;
+  }
+  if (path.empty()) return false;
+  if (pattern.front() == '?' ? path.front() == '.' : pattern.front() != path.front()) return false;
+  return glob_match(pattern.substr(1), path.substr(1));
+}
+
+inline std::size_t edit_distance(std::string_view a, std::string_view b) {
+  std::vector<std::size_t> row(b.size() + 1);
+  for (std::size_t j = 0; j <= b.size(); ++j) row[j] = j;
+  for (std::size_t i = 1; i <= a.size(); ++i) {
+    std::size_t diagonal = row[0];
+    row[0] = i;
+    for (std::size_t j = 1; j <= b.size(); ++j) {
+      const std::size_t above = row[j];
+      row[j] = std::min({row[j] + 1, row[j - 1] + 1, diagonal + (a[i - 1] == b[j - 1] ? 0 : 1)});
+      diagonal = above;
+    }
+  }
+  return row[b.size()];
+}
+
+// The names closest to `pattern`, for an Error about a rule that matches nothing.
+inline std::string closest_names(std::string_view pattern, const std::vector<std::string>& names) {
+  std::vector<std::pair<std::size_t, std::string>> ranked;
+  for (const auto& name : names) ranked.emplace_back(edit_distance(pattern, name), name);
+  std::stable_sort(ranked.begin(), ranked.end(),
+                   [](const auto& a, const auto& b) { return a.first < b.first; });
+  std::string result;
+  for (std::size_t i = 0; i < ranked.size() && i < 5; ++i) {
+    result += (i == 0 ? "'" : ", '") + ranked[i].second + "'";
+  }
+  return result.empty() ? "none (the model has no submodules)" : result;
+}
+
+/// The base of mixprec::nn::Mappable: the region apply_precision_map gave it.
+class MappableBase {
+ public:
+  struct Region {
+    bool active = false;       // its precision differs from its parent's
+    c10::ScalarType dtype = c10::ScalarType::Float;
+    bool cast_inputs = false;  // floating inputs to `dtype`
+    bool cast_output = false;  // the output back to the input's dtype
+    std::optional<bool> autocast;  // MixedO1: off in an fp32 region, on in a low one
+    c10::ScalarType autocast_dtype = c10::ScalarType::BFloat16;
+  };
+  virtual ~MappableBase() = default;
+  void set_region(const Region& region) { region_ = region; }
+  const Region& region() const noexcept { return region_; }
+
+ protected:
+  Region region_;
+};
+
+}  // namespace detail
+
+inline const PrecisionRule* PrecisionMap::match(std::string_view path) const {
+  for (const auto& rule : rules_) {
+    if (detail::glob_match(rule.pattern, path)) return &rule;
+  }
+  return nullptr;
+}
+
+namespace nn {
+
+/// Module M (a torch::nn holder such as torch::nn::Linear) with the same parameters, buffers,
+/// submodules, state_dict keys and forward, whose precision a PrecisionMap can set: its floating
+/// inputs are cast to its dtype and its output back to the inputs' dtype (MixedO2, PureHalf),
+/// or autocast is turned off or on inside it (MixedO1). Unmapped, it is M.
+template <class M>
+class MappableImpl : public torch::nn::Module, public mixprec::detail::MappableBase {
+ public:
+  template <class... Args>
+    requires std::constructible_from<M, Args...>
+  explicit MappableImpl(Args&&... args) : inner_(std::forward<Args>(args)...) {
+    // M's own tensors and submodules under their own names: the paths do not change.
+    for (auto& item : inner_->named_parameters(/*recurse=*/false)) {
+      register_parameter(item.key(), item.value(), item.value().requires_grad());
+    }
+    for (auto& item : inner_->named_buffers(/*recurse=*/false)) {
+      register_buffer(item.key(), item.value());
+    }
+    for (auto& item : inner_->named_children()) register_module(item.key(), item.value());
+  }
+
+  /// M's forward, in the precision of its region when a map gave it one. One tensor in and out
+  /// (a Linear, a norm layer, a convolution, a block of the user's), so that it also fits in a
+  /// torch::nn::Sequential.
+  at::Tensor forward(const at::Tensor& input) {
+    if (!region_.active) return inner_->forward(input);
+    std::optional<AutocastGuard> guard;
+    if (region_.autocast) {
+      guard.emplace(input.device().type(), region_.autocast_dtype, *region_.autocast);
+    }
+    const bool cast = region_.cast_inputs && input.defined() &&
+                      at::isFloatingType(input.scalar_type());
+    if (!cast || input.scalar_type() == region_.dtype) return inner_->forward(input);
+    auto out = inner_->forward(input.to(region_.dtype));
+    const bool back = region_.cast_output && out.defined() && at::isFloatingType(out.scalar_type());
+    return back ? out.to(input.scalar_type()) : out;
+  }
+
+  /// Train or eval mode for the wrapper and M (which is not one of its children).
+  void train(bool on = true) override {
+    torch::nn::Module::train(on);
+    inner_->train(on);
+  }
+
+  /// The wrapped module.
+  M& inner() noexcept { return inner_; }
+  const M& inner() const noexcept { return inner_; }
+
+  void pretty_print(std::ostream& stream) const override {
+    stream << "mixprec::nn::Mappable(";
+    inner_->pretty_print(stream);
+    stream << ")";
+  }
+
+ private:
+  M inner_;
+};
+
+/// The holder of MappableImpl<M>, as TORCH_MODULE makes for LibTorch's modules:
+/// `mixprec::nn::Mappable<torch::nn::Linear> head{64, 10};`.
+template <class M>
+class Mappable : public torch::nn::ModuleHolder<MappableImpl<M>> {
+ public:
+  using torch::nn::ModuleHolder<MappableImpl<M>>::ModuleHolder;
+};
+
+}  // namespace nn
+
+/// Gives the modules of `model` the precisions `map` names, for a Trainer<P> built after it:
+/// under MixedO2/PureHalf their parameters stay fp32 when the Trainer casts the model (fp32
+/// parameters are their own masters), under MixedO1 autocast is off inside them. Returns the
+/// modules whose precision now differs from P's. Errors, before anything changes: a rule that
+/// matches no module (naming the closest), a module whose inputs would need a cast it cannot
+/// take (not a Mappable or a norm layer that takes them), a model mapped before or already
+/// trained by a Trainer.
+template <class P>
+std::vector<ModulePrecision> apply_precision_map(const std::shared_ptr<torch::nn::Module>& model,
+                                                 const PrecisionMap& map) {
+  static_assert(require_policy<P>);
+  MIXPREC_CHECK(model != nullptr, "apply_precision_map got a null model");
+  auto& registry = detail::PrecisionRegistry::instance();
+  MIXPREC_CHECK(!registry.mapped(*model), "apply_precision_map: this model has a precision map "
+                "already; put every rule into one map and apply it once, to a fresh model");
+  MIXPREC_CHECK(!detail::ModelClaim::any_claimed(detail::unique_tensors(model->parameters())),
+                "apply_precision_map: a Trainer trains this model already and has cast it; "
+                "apply the map before constructing the Trainer");
+  const auto named = model->named_modules("", /*include_self=*/false);
+  std::vector<std::string> names;
+  for (const auto& item : named) names.push_back(item.key());
+  for (const auto& rule : map.rules()) {
+    const bool matched = std::any_of(names.begin(), names.end(), [&](const std::string& name) {
+      return detail::glob_match(rule.pattern, name);
+    });
+    MIXPREC_CHECK(matched, "precision map rule '", rule.pattern, "' (", rule.precision,
+                  ") matches no module of the model; the closest names: ",
+                  detail::closest_names(rule.pattern, names),
+                  " (`*` matches within one name, `**` across dots)");
+  }
+
+  const auto dtype_of = [](Precision precision) {
+    return precision == Precision::fp32 ? c10::ScalarType::Float : P::low_dtype;
+  };
+  // P's own: Low under O1-O3 (autocast's dtype under O1), fp32 under FullPrecision.
+  const auto policy_dtype = P::cast_model || P::autocast ? P::low_dtype : c10::ScalarType::Float;
+  std::unordered_map<std::string, c10::ScalarType> dtypes{{"", policy_dtype}};
+  std::vector<ModulePrecision> changed;
+  struct RegionRoot {
+    std::shared_ptr<torch::nn::Module> module;
+    detail::MappableBase* mappable;
+    c10::ScalarType dtype;
+    Output output;
+  };
+  std::vector<RegionRoot> roots;
+  std::vector<std::shared_ptr<torch::nn::Module>> kept_fp32;
+  for (const auto& item : named) {  // parents before their children
+    const auto& name = item.key();
+    const auto dot = name.rfind('.');
+    const auto parent = dtypes.at(dot == std::string::npos ? "" : name.substr(0, dot));
+    const auto* rule = map.match(name);
+    const auto dtype = rule != nullptr ? dtype_of(rule->precision) : parent;
+    dtypes[name] = dtype;
+    if (dtype != policy_dtype) {
+      changed.push_back({name, dtype == c10::ScalarType::Float ? Precision::fp32 : Precision::low,
+                         dtype});
+    }
+    if (P::cast_model && dtype == c10::ScalarType::Float) kept_fp32.push_back(item.value());
+    if (dtype == parent) continue;
+    // Where the precision changes, something must change the inputs' dtype (or autocast).
+    auto* mappable = dynamic_cast<detail::MappableBase*>(item.value().get());
+    const auto& module = *item.value();
+    const bool plain_norm = P::cast_model && dtype == c10::ScalarType::Float &&
+                            rule->output == Output::as_input &&  // its kernel's output dtype
+                            module.children().empty() &&
+                            (detail::is_batch_norm(module) ||
+                             (mixed_dtype_norms && detail::is_layer_or_group_norm(module)));
+    if (mappable == nullptr && !plain_norm) {
+      const bool old_norm = P::cast_model && detail::is_layer_or_group_norm(module);
+      auto holder = module.name();  // torch::nn::LinearImpl's holder is torch::nn::Linear
+      if (holder.size() > 4 && holder.ends_with("Impl")) holder.resize(holder.size() - 4);
+      detail::fail("module '", name, "' (", module.name(), ") is mapped to ",
+                   c10::toString(dtype), " inside ", c10::toString(parent), " computation under ",
+                   P::name, ", but LibTorch modules have no forward hooks: nothing can change its "
+                   "inputs' dtype", old_norm ? " (LibTorch 1.13's LayerNorm and GroupNorm refuse "
+                   "Low inputs with fp32 weights)" : "", ". Declare it in the model as "
+                   "mixprec::nn::Mappable<", holder, "> (the same parameter names and forward), "
+                   "or map a Mappable module around it; nothing was changed");
+    }
+    // (A precision that differs from the parent's comes from a rule of this module's own.)
+    if (mappable != nullptr) roots.push_back({item.value(), mappable, dtype, rule->output});
+  }
+
+  if constexpr (P::cast_model) {
+    // A tensor registered both in a module kept fp32 and in one cast to Low (tied weights)
+    // cannot be both.
+    const auto own_tensors = [](const torch::nn::Module& module, const std::string& prefix) {
+      std::vector<std::pair<std::string, const void*>> result;
+      const auto path = [&](const std::string& key) { return prefix.empty() ? key : prefix + "." + key; };
+      for (const auto& item : module.named_parameters(/*recurse=*/false)) {
+        result.emplace_back(path(item.key()), item.value().unsafeGetTensorImpl());
+      }
+      for (const auto& item : module.named_buffers(/*recurse=*/false)) {
+        if (at::isFloatingType(item.value().scalar_type())) {
+          result.emplace_back(path(item.key()), item.value().unsafeGetTensorImpl());
+        }
+      }
+      return result;
+    };
+    std::unordered_map<const void*, std::string> kept;
+    for (const auto& item : named) {
+      if (dtypes.at(item.key()) != c10::ScalarType::Float) continue;
+      for (const auto& [path, impl] : own_tensors(*item.value(), item.key())) kept.emplace(impl, path);
+    }
+    const auto check_cast = [&](const torch::nn::Module& module, const std::string& name) {
+      for (const auto& [path, impl] : own_tensors(module, name)) {
+        const auto it = kept.find(impl);
+        MIXPREC_CHECK(it == kept.end(), "'", path, "' is the same tensor as '", it->second,
+                      "' (tied), which the precision map keeps fp32 while '", path, "' is cast "
+                      "to ", c10::toString(P::low_dtype), ": map both modules to one precision; "
+                      "nothing was changed");
+      }
+    };
+    if (policy_dtype != c10::ScalarType::Float) check_cast(*model, "");
+    for (const auto& item : named) {
+      if (dtypes.at(item.key()) != c10::ScalarType::Float) check_cast(*item.value(), item.key());
+    }
+  }
+
+  // All checks passed.
+  for (const auto& root : roots) {
+    detail::MappableBase::Region region;
+    region.active = true;
+    region.dtype = root.dtype;
+    region.cast_output = root.output == Output::as_input;
+    if constexpr (P::cast_model) {
+      region.cast_inputs = true;
+    } else if constexpr (P::autocast) {
+      // fp32: autocast off and fp32 inputs; low: autocast on, as everywhere else in the model.
+      region.cast_inputs = root.dtype == c10::ScalarType::Float;
+      region.autocast = root.dtype != c10::ScalarType::Float;
+      region.autocast_dtype = P::low_dtype;
+    }
+    root.mappable->set_region(region);
+  }
+  for (const auto& module : kept_fp32) registry.keep_fp32(module);
+  registry.mark_mapped(model);
+  return changed;
+}
+
+/// For a ModuleHolder such as torch::nn::Sequential.
+template <class P, class Impl>
+std::vector<ModulePrecision> apply_precision_map(torch::nn::ModuleHolder<Impl>& model,
+                                                 const PrecisionMap& map) {
+  return apply_precision_map<P>(std::static_pointer_cast<torch::nn::Module>(model.ptr()), map);
+}
+
+/// fp32 inside a block of the user's own forward code, where no module boundary fits: autocast
+/// is off on `device` for the scope (MixedO1), in() casts a tensor to fp32, out() casts a result
+/// back to the dtype of the first floating tensor in() saw.
+///
+///   mixprec::Fp32Region fp32;
+///   auto scores = fp32.out(at::softmax(fp32.in(logits), -1));
+class Fp32Region {
+ public:
+  explicit Fp32Region(c10::DeviceType device = c10::DeviceType::CPU)
+      : guard_(device, c10::ScalarType::BFloat16, /*enabled=*/false) {}
+
+  at::Tensor in(const at::Tensor& x) {
+    if (!x.defined() || !at::isFloatingType(x.scalar_type())) return x;
+    if (!dtype_) dtype_ = x.scalar_type();
+    return x.to(c10::ScalarType::Float);
+  }
+
+  at::Tensor out(const at::Tensor& y) const {
+    if (!dtype_ || !y.defined() || !at::isFloatingType(y.scalar_type())) return y;
+    return y.to(*dtype_);
+  }
+
+ private:
+  AutocastGuard guard_;
+  std::optional<c10::ScalarType> dtype_;
+};
+
+}  // namespace mixprec
