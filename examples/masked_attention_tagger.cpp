@@ -9,6 +9,8 @@
 //
 //   masked_attention_tagger [--steps N] [--smoke]   exits 1 unless the test accuracy > 0.85
 //   masked_attention_tagger --advise                mixprec::advise's verdict on the model
+//   masked_attention_tagger --keep-fp32 PATTERN     (repeatable) a precision map: advise's for
+//       the policy, plus these modules kept in fp32 (e.g. `out`, the classifier), then train
 
 #include <mixprec/mixprec.hpp>
 
@@ -18,6 +20,7 @@
 #include <cstdlib>
 #include <iostream>
 #include <string>
+#include <vector>
 
 namespace {
 
@@ -51,7 +54,7 @@ struct TaggerImpl : torch::nn::Module {
         key(register_module("key", torch::nn::Linear(d, d))),
         value(register_module("value", torch::nn::Linear(d, d))),
         hidden(register_module("hidden", torch::nn::Linear(2 * d, d))),
-        out(register_module("out", torch::nn::Linear(d, 2))),
+        out(register_module("out", mixprec::nn::Mappable<torch::nn::Linear>(d, 2))),
         scale(1.0 / std::sqrt(static_cast<double>(d))) {}
 
   at::Tensor forward(const at::Tensor& tokens, const at::Tensor& mask) {
@@ -72,7 +75,8 @@ struct TaggerImpl : torch::nn::Module {
   }
 
   torch::nn::Embedding embedding;
-  torch::nn::Linear query, key, value, hidden, out;
+  torch::nn::Linear query, key, value, hidden;
+  mixprec::nn::Mappable<torch::nn::Linear> out;  // a precision map can keep it in fp32
   double scale;
 };
 TORCH_MODULE(Tagger);
@@ -82,6 +86,7 @@ TORCH_MODULE(Tagger);
 int main(int argc, char** argv) {
   int steps = 400;
   bool advise = false;
+  std::vector<std::string> keep_fp32;
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
     if (arg == "--steps" && i + 1 < argc) {
@@ -90,8 +95,11 @@ int main(int argc, char** argv) {
       steps = 150;
     } else if (arg == "--advise") {
       advise = true;
+    } else if (arg == "--keep-fp32" && i + 1 < argc) {
+      keep_fp32.emplace_back(argv[++i]);
     } else {
-      std::cerr << "usage: " << argv[0] << " [--steps N] [--smoke] [--advise]\n";
+      std::cerr << "usage: " << argv[0]
+                << " [--steps N] [--smoke] [--advise] [--keep-fp32 PATTERN]...\n";
       return 2;
     }
   }
@@ -103,14 +111,24 @@ int main(int argc, char** argv) {
   torch::manual_seed(0);
   auto generator = torch::make_generator<at::CPUGeneratorImpl>(1);
   Tagger tagger(32);
-  if (advise) {  // before the Trainer casts the model: the advisor measures it in fp32
-    const auto advice = mixprec::advise(tagger, [&] {
+  const auto measure = [&] {  // before the Trainer casts the model: advise measures it in fp32
+    return mixprec::advise(tagger, [&] {
       const auto batch = make_batch(32, generator);
       return ops::sequence_cross_entropy_with_logits<Policy>(
           tagger->forward(batch.tokens, batch.mask), batch.tags, batch.mask, ops::Average::token);
     });
-    std::cout << advice;
+  };
+  if (advise) {
+    std::cout << measure();
     return 0;
+  }
+  if (!keep_fp32.empty()) {
+    // The modules the policy's dtype cannot hold (none, for this model in bf16), and yours.
+    auto map = measure().precision_map(Policy::low_dtype);
+    for (const auto& pattern : keep_fp32) map.keep_fp32(pattern);
+    for (const auto& m : mixprec::apply_precision_map<Policy>(tagger, map)) {
+      std::cout << "precision map: " << m.name << " in " << m.dtype << "\n";
+    }
   }
   torch::optim::Adam adam(tagger->parameters(), torch::optim::AdamOptions(3e-3));
   mixprec::Trainer<Policy> trainer(tagger, adam, mixprec::TrainerOptions().max_grad_norm(1.0));

@@ -829,6 +829,54 @@ void case_ddp_reference(Rank& r) {
   }
 }
 
+// A precision map under data parallel: a Mappable module kept fp32 inside a MixedO2<BFloat16>
+// model (its parameters are their own fp32 masters, averaged with the others) against one
+// process on the whole batch; the ranks start from different values (the construction
+// broadcasts rank 0's).
+void case_mapped(Rank& r) {
+  const auto make = [](std::uint64_t seed) {
+    torch::manual_seed(seed);
+    torch::nn::Sequential net(torch::nn::Linear(8, 16), torch::nn::ReLU(),
+                              mp::nn::Mappable<torch::nn::Linear>(16, 16), torch::nn::ReLU(),
+                              torch::nn::Linear(16, 4));
+    mp::apply_precision_map<mp::MixedO2<at::BFloat16>>(net, mp::PrecisionMap().keep_fp32("2"));
+    return net;
+  };
+  auto gen = at::detail::createCPUGenerator(7);
+  std::vector<std::pair<torch::Tensor, torch::Tensor>> data;
+  for (int k = 0; k < 4; ++k) {
+    data.emplace_back(dyadic({4 * r.world, 8}, gen), dyadic({4 * r.world, 4}, gen));
+  }
+  const auto train = [&](torch::nn::Sequential net, mp::TrainerOptions options, std::int64_t from,
+                         std::int64_t rows) {
+    torch::optim::SGD optimizer(net->parameters(), torch::optim::SGDOptions(0.1));
+    mp::Trainer<mp::MixedO2<at::BFloat16>> trainer(net, optimizer, options);
+    for (const auto& [x, y] : data) {
+      trainer.step([&, &x = x, &y = y] {
+        const auto out = net->forward(trainer.cast_input(x.narrow(0, from, rows)));
+        return torch::mse_loss(out.to(torch::kFloat), y.narrow(0, from, rows));
+      });
+    }
+    return net;
+  };
+  const auto single = train(make(1000), mp::TrainerOptions(), 0, 4 * r.world);
+  const auto dist = train(make(1000 + r.rank),
+                          mp::TrainerOptions().distributed(mp::DistributedOptions(r.group)),
+                          4 * r.rank, 4);
+  RANK_EXPECT(dist->named_parameters()["2.weight"].scalar_type() == torch::kFloat, "");
+  RANK_EXPECT(dist->named_parameters()["0.weight"].scalar_type() == torch::kBFloat16, "");
+  RANK_EXPECT(same_on_every_rank(r, dist->parameters()), "parameters differ across ranks");
+  double largest = 0.0, scale = 0.0;
+  const auto a = dist->parameters(), b = single->parameters();
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    largest = std::max(largest, (a[i].to(torch::kDouble) - b[i].to(torch::kDouble)).abs().max().item<double>());
+    scale = std::max(scale, b[i].to(torch::kDouble).abs().max().item<double>());
+  }
+  std::cerr << "rank " << r.rank << " mapped MixedO2<BFloat16> x" << r.world
+            << ": max relative difference to one process " << largest / scale << "\n";
+  RANK_EXPECT(largest / scale <= 0.05, largest / scale);  // bf16 rounding, as case_equivalence
+}
+
 int run_rank(const std::string& name, int rank, int world, const std::string& dir) {
   Rank r{rank, world, dir, {}};
   auto store = c10::make_intrusive<c10d::FileStore>(dir + "/store", world);
@@ -850,6 +898,7 @@ int run_rank(const std::string& name, int rank, int world, const std::string& di
       {"kill_resume", case_kill_resume},
       {"buffers", case_buffers},
       {"evaluate", case_evaluate},
+      {"mapped", case_mapped},
       {"ddp_reference_fp32", case_ddp_reference<mp::FullPrecision>},
       {"ddp_reference_bf16", case_ddp_reference<mp::MixedO1<at::BFloat16>>},
   };
@@ -1080,6 +1129,10 @@ TEST_CASE("distributed: killed and restarted from its checkpoints, a run ends as
 
 TEST_CASE("distributed: BatchNorm buffers follow rank 0's, parameters agree bitwise") {
   require_all_passed(run_ranks("buffers", 2));
+}
+
+TEST_CASE("distributed: a module a precision map keeps fp32 trains as in one process") {
+  require_all_passed(run_ranks("mapped", 2));
 }
 
 TEST_CASE("distributed: buffers as DDP's: rank 0's at each step's first micro-batch and before evaluate()") {
