@@ -392,14 +392,15 @@ TEST_CASE("MixedO2<BFloat16> with norms and classifier kept fp32: dtypes, master
   MESSAGE("MixedO2<BFloat16> with fp32 norms and head vs FullPrecision, 30 AdamW steps: largest "
           "loss difference ", largest, " (first loss ", reference.front(), ", last ",
           reference.back(), ")");
-  CHECK(largest < 0.05);
+  CHECK(largest < 0.02);  // measured 0.006: bf16 rounding of the other layers
   CHECK(losses[losses.size() - 2] < losses.front() - 0.3);  // the same batch, 28 steps later
 }
 
 TEST_CASE("a module mapped to fp32 around the whole network trains MixedO2<BFloat16> bit for bit "
           "as FullPrecision") {
-  // With fp32 inputs and every parameter in one fp32 region, each parameter is its own master:
-  // the step is FullPrecision's, the loss scaler and master bookkeeping included.
+  // With fp32 inputs and every parameter in one fp32 region whose output stays fp32, each
+  // parameter is its own master: the step is FullPrecision's, the loss scaler and master
+  // bookkeeping included.
   const auto make = [] {
     torch::manual_seed(11);
     return torch::nn::Sequential(mp::nn::Mappable<torch::nn::Sequential>(
@@ -408,7 +409,7 @@ TEST_CASE("a module mapped to fp32 around the whole network trains MixedO2<BFloa
   };
   const auto run = [](auto policy, torch::nn::Sequential model, bool map) {
     using P = decltype(policy);
-    if (map) mp::apply_precision_map<P>(model, mp::PrecisionMap().keep_fp32("0"));
+    if (map) mp::apply_precision_map<P>(model, mp::PrecisionMap().keep_fp32("0", mp::Output::own));
     torch::optim::AdamW optimizer(model->parameters(), torch::optim::AdamWOptions(1e-2));
     mp::Trainer<P> trainer(model, optimizer);
     std::vector<at::Tensor> losses;
@@ -505,8 +506,7 @@ TEST_CASE("Fp32Region: autocast off and fp32 inside a block of the user's own co
   mp::AutocastGuard autocast(c10::DeviceType::CPU, at::kBFloat16);
   torch::manual_seed(6);
   const auto a = torch::randn({4, 4}).to(at::kBFloat16);
-  CHECK(at::mm(a, a).scalar_type() == at::kBFloat16);
-  const auto outside = at::mm(a.to(at::kFloat), a.to(at::kFloat));  // autocast: computed in bf16
+  CHECK(at::mm(a.to(at::kFloat), a.to(at::kFloat)).scalar_type() == at::kBFloat16);  // autocast
   {
     mp::Fp32Region fp32;
     const auto inside = at::mm(fp32.in(a), fp32.in(a));
@@ -519,7 +519,8 @@ TEST_CASE("Fp32Region: autocast off and fp32 inside a block of the user's own co
     CHECK(test::identical(inside, reference));
     CHECK(fp32.out(inside).scalar_type() == at::kBFloat16);
   }
-  CHECK(outside.scalar_type() == at::kBFloat16);  // autocast is back on after the region
+  // Autocast is back on after the region.
+  CHECK(at::mm(a.to(at::kFloat), a.to(at::kFloat)).scalar_type() == at::kBFloat16);
 }
 
 TEST_CASE("apply_precision_map refuses what it cannot do, naming the module, and changes nothing") {
@@ -556,7 +557,7 @@ TEST_CASE("apply_precision_map refuses what it cannot do, naming the module, and
     mp::apply_precision_map<mp::MixedO2<at::BFloat16>>(model, mp::PrecisionMap().keep_fp32("head"));
     CHECK_THROWS_WITH_AS(
         mp::apply_precision_map<mp::MixedO2<at::BFloat16>>(model, mp::PrecisionMap().keep_fp32("norm1")),
-        doctest::Contains("this model has a precision map already"), mp::Error);
+        doctest::Contains("this model, or a part of it, has a precision map already"), mp::Error);
     auto other = encoder();
     torch::optim::SGD optimizer(other->parameters(), torch::optim::SGDOptions(0.1));
     mp::Trainer<mp::MixedO2<at::BFloat16>> trainer(other, optimizer);
@@ -567,14 +568,103 @@ TEST_CASE("apply_precision_map refuses what it cannot do, naming the module, and
     CHECK(test::identical(test::snapshot(other->parameters()), before));
   }
   SUBCASE("a tensor tied between an fp32 module and a Low one") {
-    // The head (kept fp32) registered under a second name, which the map leaves bf16: one
-    // module, so one tensor, cannot be both.
+    // A module of the model's own holds the head's weight too (tied), and the map leaves it bf16.
+    struct Tied : torch::nn::Module {
+      explicit Tied(const at::Tensor& weight) { register_parameter("weight", weight); }
+    };
     auto model = encoder();
+    model->register_module("tied", std::make_shared<Tied>(model->head->inner()->weight));
+    CHECK_THROWS_WITH_AS(
+        mp::apply_precision_map<mp::MixedO2<at::BFloat16>>(model, mp::PrecisionMap().keep_fp32("head")),
+        doctest::Contains("'tied.weight' is the same tensor as 'head.weight' (tied)"), mp::Error);
+    // The head under a second name is one module: one precision.
     model->register_module("alias", model->head);
     CHECK_THROWS_WITH_AS(
         mp::apply_precision_map<mp::MixedO2<at::BFloat16>>(model, mp::PrecisionMap().keep_fp32("head")),
-        doctest::Contains("'alias.weight' is the same tensor as 'head.weight' (tied)"), mp::Error);
+        doctest::Contains("module 'alias' is module 'head' registered under a second name"),
+        mp::Error);
   }
+}
+
+TEST_CASE("a module mapped to fp16 on a CPU without fp16 math (LibTorch 1.13) is an Error naming it" *
+          doctest::skip(mp::cpu_half_math)) {
+  auto model = encoder();
+  CHECK_THROWS_WITH_AS(
+      mp::apply_precision_map<mp::MixedO2<at::Half>>(model, mp::PrecisionMap().keep_fp32("head")),
+      doctest::Contains("module 'inp' computes in Half under MixedO2<Half>"), mp::Error);
+  // Nothing changed: the model can still be mapped under a bf16 policy.
+  CHECK(mp::apply_precision_map<mp::MixedO2<at::BFloat16>>(model, mp::PrecisionMap().keep_fp32("head"))
+            .size() == 1);
+}
+
+TEST_CASE("the map and the Trainer agree: another policy, or a map of a part, is an Error") {
+  auto model = encoder();
+  mp::apply_precision_map<mp::MixedO2<at::BFloat16>>(model, mp::PrecisionMap().keep_fp32("head"));
+  torch::optim::SGD optimizer(model->parameters(), torch::optim::SGDOptions(0.1));
+  CHECK_THROWS_WITH_AS((mp::Trainer<mp::MixedO1<at::BFloat16>>(model, optimizer)),
+                       doctest::Contains("the model's precision map was applied for "
+                                         "MixedO2<BFloat16>"), mp::Error);
+  // A map applied to a submodule, then a Trainer on the whole model.
+  torch::manual_seed(3);
+  torch::nn::Sequential outer(torch::nn::Linear(16, 16),
+                              mp::nn::Mappable<torch::nn::Sequential>(
+                                  mp::nn::Mappable<torch::nn::Linear>(16, 4)));
+  mp::apply_precision_map<mp::MixedO2<at::BFloat16>>(outer[1], mp::PrecisionMap().keep_fp32("0"));
+  torch::optim::SGD outer_optimizer(outer->parameters(), torch::optim::SGDOptions(0.1));
+  CHECK_THROWS_WITH_AS((mp::Trainer<mp::MixedO2<at::BFloat16>>(outer, outer_optimizer)),
+                       doctest::Contains("apply the map to the model the Trainer trains"),
+                       mp::Error);
+  CHECK_THROWS_WITH_AS(
+      mp::apply_precision_map<mp::MixedO2<at::BFloat16>>(outer, mp::PrecisionMap().keep_fp32("0")),
+      doctest::Contains("this model, or a part of it, has a precision map already"), mp::Error);
+}
+
+TEST_CASE("one module under two names with different precisions is an Error (MixedO1)") {
+  torch::manual_seed(3);
+  mp::nn::Mappable<torch::nn::Linear> shared(8, 8);
+  torch::nn::Sequential model(shared, torch::nn::ReLU(), shared);
+  CHECK_THROWS_WITH_AS(
+      mp::apply_precision_map<mp::MixedO1<at::BFloat16>>(model, mp::PrecisionMap().keep_fp32("0")),
+      doctest::Contains("module '2' is module '0' registered under a second name"), mp::Error);
+  CHECK(mp::apply_precision_map<mp::MixedO1<at::BFloat16>>(model, mp::PrecisionMap().keep_fp32("0")
+                                                                        .keep_fp32("2"))
+            .size() == 2);
+}
+
+TEST_CASE("an unmapped Mappable is its module to the Trainer: a Mappable BatchNorm stays fp32") {
+  torch::manual_seed(3);
+  torch::nn::Sequential model(torch::nn::Linear(8, 8),
+                              mp::nn::Mappable<torch::nn::BatchNorm1d>(8), torch::nn::Linear(8, 2));
+  torch::optim::SGD optimizer(model->parameters(), torch::optim::SGDOptions(0.1));
+  mp::Trainer<mp::MixedO2<at::BFloat16>> trainer(model, optimizer);
+  CHECK(model->named_parameters()["1.weight"].scalar_type() == at::kFloat);
+  CHECK(model->named_buffers()["1.running_mean"].scalar_type() == at::kFloat);
+  CHECK(model->named_parameters()["0.weight"].scalar_type() == at::kBFloat16);
+  const auto x = torch::randn({4, 8});
+  CHECK(trainer.step([&] { return model->forward(trainer.cast_input(x)).to(at::kFloat).pow(2).mean(); })
+            .status == mp::StepStatus::stepped);
+}
+
+TEST_CASE("outputs kept fp32 for their reader, which hands bf16 on to the next layer") {
+  torch::manual_seed(3);
+  torch::nn::Sequential model(torch::nn::Linear(8, 16), mp::nn::Mappable<torch::nn::Linear>(16, 16),
+                              mp::nn::Mappable<torch::nn::Linear>(16, 16), torch::nn::Linear(16, 2));
+  mp::apply_precision_map<mp::MixedO2<at::BFloat16>>(
+      model, mp::PrecisionMap().keep_fp32("1", mp::Output::own).keep_fp32("2"));
+  torch::optim::SGD optimizer(model->parameters(), torch::optim::SGDOptions(0.1));
+  mp::Trainer<mp::MixedO2<at::BFloat16>> trainer(model, optimizer);
+  const auto x = torch::randn({4, 8}).to(at::kBFloat16);
+  trainer.evaluate([&] {
+    const auto h = model[0]->as<torch::nn::Linear>()->forward(x);
+    const auto kept = model[1]->as<mp::nn::MappableImpl<torch::nn::Linear>>()->forward(h);
+    CHECK(kept.scalar_type() == at::kFloat);  // its own dtype
+    const auto read = model[2]->as<mp::nn::MappableImpl<torch::nn::Linear>>()->forward(kept);
+    CHECK(read.scalar_type() == at::kBFloat16);  // fp32 in, the surroundings' bf16 out
+    CHECK(model->forward(x).scalar_type() == at::kBFloat16);
+    return read;
+  });
+  CHECK(trainer.step([&] { return model->forward(trainer.cast_input(x)).to(at::kFloat).pow(2).mean(); })
+            .status == mp::StepStatus::stepped);
 }
 
 TEST_CASE("tied weights inside one module mapped to fp32 stay one fp32 tensor, trained once") {

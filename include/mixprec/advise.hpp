@@ -115,22 +115,23 @@ struct Advice {
   }
 
   /// The PrecisionMap that keeps in fp32 the modules `low` (at::kHalf or at::kBFloat16) cannot
-  /// hold. A module whose outputs `low` cannot hold keeps them in fp32 (Output::as_module), and
-  /// the next module the forward pass used reads them in fp32 too and hands its own back in `low`
-  /// (it is taken as their reader: check it for a model whose data flow branches). Op names and
-  /// NamedScopes are not modules and are left out. Apply it to a model whose modules it names
-  /// are mixprec::nn::Mappable (apply_precision_map says which are not).
+  /// hold. A module whose outputs `low` cannot hold keeps them in fp32 (Output::own), and the
+  /// next module the forward pass used reads them in fp32 too and hands its own back in `low`
+  /// (it is taken as their reader: check it for a model whose data flow branches). Op names,
+  /// NamedScopes and the model's own parameters ("(model)") are not submodules and are left out.
+  /// Apply it to a model whose modules it names are mixprec::nn::Mappable (apply_precision_map
+  /// says which are not).
   PrecisionMap precision_map(c10::ScalarType low) const {
     PrecisionMap map;
     bool reads_fp32 = false;  // the previous module left its outputs in fp32
     for (const auto& layer : layers) {
-      if (!layer.module) continue;
+      if (!layer.module || layer.name.empty() || layer.name.front() == '(') continue;
       const bool half = low == c10::ScalarType::Half;
       const bool holds = half ? layer.fp16 : layer.bf16;
       // bf16 fails on outputs alone (beyond its range, or inf/NaN already in fp32).
       const bool outputs_fit = half ? layer.fp16_outputs && !layer.non_finite : layer.bf16;
       if (!holds || reads_fp32) {
-        map.keep_fp32(layer.name, outputs_fit ? Output::as_input : Output::as_module);
+        map.keep_fp32(layer.name, outputs_fit ? Output::surroundings : Output::own);
       }
       reads_fp32 = !outputs_fit;
     }

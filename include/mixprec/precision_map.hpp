@@ -61,16 +61,18 @@ inline std::ostream& operator<<(std::ostream& stream, Precision precision) {
 
 /// Where the output of a module whose precision differs from its surroundings goes.
 enum class Output {
-  as_input,   ///< cast back to the dtype its input came in: the code around it does not change
-  as_module,  ///< left in the module's own dtype: for values the surroundings' dtype cannot hold
-              ///< (fp16 beyond 65504), which the next module must then read in fp32 too
+  surroundings,  ///< cast to its surroundings' dtype (its parent's: the policy's Low under
+                 ///< MixedO2/PureHalf; under MixedO1 the dtype its input came in): the code around
+                 ///< it does not change
+  own,           ///< left in the module's own dtype: for values the surroundings' dtype cannot
+                 ///< hold (fp16 beyond 65504), which the next module must then read in fp32 too
 };
 
 /// One rule of a PrecisionMap.
 struct PrecisionRule {
   std::string pattern;  ///< a module path of named_modules(); `*` any characters but '.', `**` any
   Precision precision;
-  Output output = Output::as_input;
+  Output output = Output::surroundings;
 };
 
 /// Ordered rules from module-path patterns to precisions. A module takes the precision of the
@@ -81,11 +83,11 @@ class PrecisionMap {
   PrecisionMap(std::initializer_list<PrecisionRule> rules) : rules_(rules) {}
 
   /// Appends a rule (it decides only for modules no earlier rule matches).
-  PrecisionMap& add(std::string pattern, Precision precision, Output output = Output::as_input) {
+  PrecisionMap& add(std::string pattern, Precision precision, Output output = Output::surroundings) {
     rules_.push_back({std::move(pattern), precision, output});
     return *this;
   }
-  PrecisionMap& keep_fp32(std::string pattern, Output output = Output::as_input) {
+  PrecisionMap& keep_fp32(std::string pattern, Output output = Output::surroundings) {
     return add(std::move(pattern), Precision::fp32, output);
   }
 
@@ -159,25 +161,6 @@ inline std::string closest_names(std::string_view pattern, const std::vector<std
   return result.empty() ? "none (the model has no submodules)" : result;
 }
 
-/// The base of mixprec::nn::Mappable: the region apply_precision_map gave it.
-class MappableBase {
- public:
-  struct Region {
-    bool active = false;       // its precision differs from its parent's
-    c10::ScalarType dtype = c10::ScalarType::Float;
-    bool cast_inputs = false;  // floating inputs to `dtype`
-    bool cast_output = false;  // the output back to the input's dtype
-    std::optional<bool> autocast;  // MixedO1: off in an fp32 region, on in a low one
-    c10::ScalarType autocast_dtype = c10::ScalarType::BFloat16;
-  };
-  virtual ~MappableBase() = default;
-  void set_region(const Region& region) { region_ = region; }
-  const Region& region() const noexcept { return region_; }
-
- protected:
-  Region region_;
-};
-
 }  // namespace detail
 
 inline const PrecisionRule* PrecisionMap::match(std::string_view path) const {
@@ -191,8 +174,9 @@ namespace nn {
 
 /// Module M (a torch::nn holder such as torch::nn::Linear) with the same parameters, buffers,
 /// submodules, state_dict keys and forward, whose precision a PrecisionMap can set: its floating
-/// inputs are cast to its dtype and its output back to the inputs' dtype (MixedO2, PureHalf),
-/// or autocast is turned off or on inside it (MixedO1). Unmapped, it is M.
+/// inputs are cast to its dtype and its output to its surroundings' (MixedO2, PureHalf), or
+/// autocast is turned off or on inside it (MixedO1). Unmapped, it computes as M, and the
+/// Trainer treats it as M (a Mappable BatchNorm stays fp32 under MixedO2).
 template <class M>
 class MappableImpl : public torch::nn::Module, public mixprec::detail::MappableBase {
  public:
@@ -218,13 +202,17 @@ class MappableImpl : public torch::nn::Module, public mixprec::detail::MappableB
     if (region_.autocast) {
       guard.emplace(input.device().type(), region_.autocast_dtype, *region_.autocast);
     }
-    const bool cast = region_.cast_inputs && input.defined() &&
-                      at::isFloatingType(input.scalar_type());
-    if (!cast || input.scalar_type() == region_.dtype) return inner_->forward(input);
-    auto out = inner_->forward(input.to(region_.dtype));
-    const bool back = region_.cast_output && out.defined() && at::isFloatingType(out.scalar_type());
-    return back ? out.to(input.scalar_type()) : out;
+    const bool floating = input.defined() && at::isFloatingType(input.scalar_type());
+    auto out = inner_->forward(floating && region_.cast_inputs ? input.to(region_.dtype) : input);
+    if (region_.cast_output && out.defined() && at::isFloatingType(out.scalar_type())) {
+      const auto target = region_.output_dtype.value_or(floating ? input.scalar_type()
+                                                                 : out.scalar_type());
+      if (out.scalar_type() != target) out = out.to(target);
+    }
+    return out;
   }
+
+  const torch::nn::Module& wrapped() const override { return *inner_; }
 
   /// Train or eval mode for the wrapper and M (which is not one of its children).
   void train(bool on = true) override {
@@ -269,8 +257,11 @@ std::vector<ModulePrecision> apply_precision_map(const std::shared_ptr<torch::nn
   static_assert(require_policy<P>);
   MIXPREC_CHECK(model != nullptr, "apply_precision_map got a null model");
   auto& registry = detail::PrecisionRegistry::instance();
-  MIXPREC_CHECK(!registry.mapped(*model), "apply_precision_map: this model has a precision map "
-                "already; put every rule into one map and apply it once, to a fresh model");
+  for (const auto& module : model->modules(/*include_self=*/true)) {
+    MIXPREC_CHECK(!registry.mapped_policy(*module) && !registry.kept_fp32(*module),
+                  "apply_precision_map: this model, or a part of it, has a precision map "
+                  "already; put every rule into one map and apply it once, to a fresh model");
+  }
   MIXPREC_CHECK(!detail::ModelClaim::any_claimed(detail::unique_tensors(model->parameters())),
                 "apply_precision_map: a Trainer trains this model already and has cast it; "
                 "apply the map before constructing the Trainer");
@@ -298,10 +289,18 @@ std::vector<ModulePrecision> apply_precision_map(const std::shared_ptr<torch::nn
     std::shared_ptr<torch::nn::Module> module;
     detail::MappableBase* mappable;
     c10::ScalarType dtype;
+    c10::ScalarType parent;
     Output output;
   };
   std::vector<RegionRoot> roots;
   std::vector<std::shared_ptr<torch::nn::Module>> kept_fp32;
+  // A module registered under two names is one module: one precision, one output.
+  struct Seen {
+    std::string name;
+    c10::ScalarType dtype;
+    std::optional<Output> output;
+  };
+  std::unordered_map<const torch::nn::Module*, Seen> seen;
   for (const auto& item : named) {  // parents before their children
     const auto& name = item.key();
     const auto dot = name.rfind('.');
@@ -309,9 +308,25 @@ std::vector<ModulePrecision> apply_precision_map(const std::shared_ptr<torch::nn
     const auto* rule = map.match(name);
     const auto dtype = rule != nullptr ? dtype_of(rule->precision) : parent;
     dtypes[name] = dtype;
+    const std::optional<Output> output =
+        dtype != parent ? std::optional<Output>(rule->output) : std::nullopt;
+    const auto [first, inserted] = seen.try_emplace(item.value().get(), Seen{name, dtype, output});
+    MIXPREC_CHECK(inserted || (first->second.dtype == dtype && first->second.output == output),
+                  "module '", name, "' is module '", first->second.name, "' registered under a "
+                  "second name, and the precision map gives the two names different precisions "
+                  "(or outputs); one module computes one way: map both names alike; nothing was "
+                  "changed");
     if (dtype != policy_dtype) {
       changed.push_back({name, dtype == c10::ScalarType::Float ? Precision::fp32 : Precision::low,
                          dtype});
+    }
+    if constexpr (P::low_dtype == c10::ScalarType::Half && !cpu_half_math) {
+      for (const auto& p : item.value()->parameters(/*recurse=*/false)) {
+        MIXPREC_CHECK(dtype != c10::ScalarType::Half || !p.device().is_cpu(), "module '", name,
+                      "' computes in Half under ", P::name, ", which LibTorch ", torch_version,
+                      " cannot do on the CPU (its matmul, conv and softmax throw for Half): keep "
+                      "it fp32, use BFloat16, or LibTorch >= 2.4; nothing was changed");
+      }
     }
     if (P::cast_model && dtype == c10::ScalarType::Float) kept_fp32.push_back(item.value());
     if (dtype == parent) continue;
@@ -319,7 +334,7 @@ std::vector<ModulePrecision> apply_precision_map(const std::shared_ptr<torch::nn
     auto* mappable = dynamic_cast<detail::MappableBase*>(item.value().get());
     const auto& module = *item.value();
     const bool plain_norm = P::cast_model && dtype == c10::ScalarType::Float &&
-                            rule->output == Output::as_input &&  // its kernel's output dtype
+                            rule->output == Output::surroundings &&  // its kernel's output dtype
                             module.children().empty() &&
                             (detail::is_batch_norm(module) ||
                              (mixed_dtype_norms && detail::is_layer_or_group_norm(module)));
@@ -336,7 +351,7 @@ std::vector<ModulePrecision> apply_precision_map(const std::shared_ptr<torch::nn
                    "or map a Mappable module around it; nothing was changed");
     }
     // (A precision that differs from the parent's comes from a rule of this module's own.)
-    if (mappable != nullptr) roots.push_back({item.value(), mappable, dtype, rule->output});
+    if (mappable != nullptr) roots.push_back({item.value(), mappable, dtype, parent, rule->output});
   }
 
   if constexpr (P::cast_model) {
@@ -380,9 +395,10 @@ std::vector<ModulePrecision> apply_precision_map(const std::shared_ptr<torch::nn
     detail::MappableBase::Region region;
     region.active = true;
     region.dtype = root.dtype;
-    region.cast_output = root.output == Output::as_input;
+    region.cast_output = root.output == Output::surroundings;
     if constexpr (P::cast_model) {
       region.cast_inputs = true;
+      region.output_dtype = root.parent;  // even when its input arrived in its own dtype
     } else if constexpr (P::autocast) {
       // fp32: autocast off and fp32 inputs; low: autocast on, as everywhere else in the model.
       region.cast_inputs = root.dtype == c10::ScalarType::Float;
@@ -392,7 +408,7 @@ std::vector<ModulePrecision> apply_precision_map(const std::shared_ptr<torch::nn
     root.mappable->set_region(region);
   }
   for (const auto& module : kept_fp32) registry.keep_fp32(module);
-  registry.mark_mapped(model);
+  registry.mark_mapped(model, P::name);
   return changed;
 }
 
@@ -404,15 +420,16 @@ std::vector<ModulePrecision> apply_precision_map(torch::nn::ModuleHolder<Impl>& 
 }
 
 /// fp32 inside a block of the user's own forward code, where no module boundary fits: autocast
-/// is off on `device` for the scope (MixedO1), in() casts a tensor to fp32, out() casts a result
-/// back to the dtype of the first floating tensor in() saw.
+/// is off for the scope on the CPU and CUDA (MixedO1), in() casts a tensor to fp32, out() casts
+/// a result back to the dtype of the first floating tensor in() saw.
 ///
 ///   mixprec::Fp32Region fp32;
 ///   auto scores = fp32.out(at::softmax(fp32.in(logits), -1));
 class Fp32Region {
  public:
-  explicit Fp32Region(c10::DeviceType device = c10::DeviceType::CPU)
-      : guard_(device, c10::ScalarType::BFloat16, /*enabled=*/false) {}
+  Fp32Region()
+      : cpu_(c10::DeviceType::CPU, c10::ScalarType::BFloat16, /*enabled=*/false),
+        cuda_(c10::DeviceType::CUDA, c10::ScalarType::Half, /*enabled=*/false) {}
 
   at::Tensor in(const at::Tensor& x) {
     if (!x.defined() || !at::isFloatingType(x.scalar_type())) return x;
@@ -426,7 +443,7 @@ class Fp32Region {
   }
 
  private:
-  AutocastGuard guard_;
+  AutocastGuard cpu_, cuda_;
   std::optional<c10::ScalarType> dtype_;
 };
 

@@ -14,6 +14,7 @@
 
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <unordered_map>
@@ -23,7 +24,36 @@
 
 namespace mixprec::detail {
 
-inline bool is_batch_norm(const torch::nn::Module& module) {
+/// The base of mixprec::nn::Mappable (precision_map.hpp): the module it wraps, and the region
+/// apply_precision_map gave it.
+class MappableBase {
+ public:
+  struct Region {
+    bool active = false;       // its precision differs from its parent's
+    c10::ScalarType dtype = c10::ScalarType::Float;
+    bool cast_inputs = false;  // floating inputs to `dtype`
+    bool cast_output = false;  // the output to `output_dtype` (unset: the input's dtype)
+    std::optional<c10::ScalarType> output_dtype;
+    std::optional<bool> autocast;  // MixedO1: off in an fp32 region, on in a low one
+    c10::ScalarType autocast_dtype = c10::ScalarType::BFloat16;
+  };
+  virtual ~MappableBase() = default;
+  virtual const torch::nn::Module& wrapped() const = 0;
+  void set_region(const Region& region) { region_ = region; }
+  const Region& region() const noexcept { return region_; }
+
+ protected:
+  Region region_;
+};
+
+/// The module itself, or the one a Mappable wraps: what the module computes.
+inline const torch::nn::Module& unwrapped(const torch::nn::Module& module) {
+  const auto* mappable = dynamic_cast<const MappableBase*>(&module);
+  return mappable != nullptr ? mappable->wrapped() : module;
+}
+
+inline bool is_batch_norm(const torch::nn::Module& wrapper) {
+  const auto& module = unwrapped(wrapper);
   return dynamic_cast<const torch::nn::BatchNorm1dImpl*>(&module) != nullptr ||
          dynamic_cast<const torch::nn::BatchNorm2dImpl*>(&module) != nullptr ||
          dynamic_cast<const torch::nn::BatchNorm3dImpl*>(&module) != nullptr;
@@ -31,7 +61,8 @@ inline bool is_batch_norm(const torch::nn::Module& module) {
 
 /// LayerNorm and GroupNorm, whose CPU kernels take bf16/fp16 input with fp32 weights from
 /// LibTorch 2.x on (1.13 refuses; checked on 1.13 and 2.13).
-inline bool is_layer_or_group_norm(const torch::nn::Module& module) {
+inline bool is_layer_or_group_norm(const torch::nn::Module& wrapper) {
+  const auto& module = unwrapped(wrapper);
   return dynamic_cast<const torch::nn::LayerNormImpl*>(&module) != nullptr ||
          dynamic_cast<const torch::nn::GroupNormImpl*>(&module) != nullptr;
 }
@@ -45,27 +76,55 @@ class PrecisionRegistry {
     static PrecisionRegistry registry;
     return registry;
   }
-  void keep_fp32(const std::shared_ptr<torch::nn::Module>& module) { add(fp32_, module); }
-  void mark_mapped(const std::shared_ptr<torch::nn::Module>& model) { add(mapped_, model); }
-  bool kept_fp32(const torch::nn::Module& module) { return live(fp32_, module); }
-  bool mapped(const torch::nn::Module& model) { return live(mapped_, model); }
+  void keep_fp32(const std::shared_ptr<torch::nn::Module>& module) { add(fp32_, module, {}); }
+  void mark_mapped(const std::shared_ptr<torch::nn::Module>& model, std::string_view policy) {
+    add(mapped_, model, std::string(policy));
+  }
+  bool kept_fp32(const torch::nn::Module& module) { return live(fp32_, module) != nullptr; }
+  /// The policy a map was applied for, if `model` is the root of a mapped model.
+  std::optional<std::string> mapped_policy(const torch::nn::Module& model) {
+    const auto* entry = live(mapped_, model);
+    return entry != nullptr ? std::optional<std::string>(entry->policy) : std::nullopt;
+  }
 
  private:
-  using Entries = std::unordered_map<const torch::nn::Module*, std::weak_ptr<torch::nn::Module>>;
-  void add(Entries& entries, const std::shared_ptr<torch::nn::Module>& module) {
+  struct Entry {
+    std::weak_ptr<torch::nn::Module> module;
+    std::string policy;
+  };
+  using Entries = std::unordered_map<const torch::nn::Module*, Entry>;
+  void add(Entries& entries, const std::shared_ptr<torch::nn::Module>& module, std::string policy) {
     std::lock_guard<std::mutex> lock(mutex_);
-    std::erase_if(entries, [](const auto& entry) { return entry.second.expired(); });
-    entries[module.get()] = module;
+    std::erase_if(entries, [](const auto& entry) { return entry.second.module.expired(); });
+    entries[module.get()] = Entry{module, std::move(policy)};
   }
-  bool live(Entries& entries, const torch::nn::Module& module) {
+  const Entry* live(Entries& entries, const torch::nn::Module& module) {
     std::lock_guard<std::mutex> lock(mutex_);
-    if (entries.empty()) return false;
+    if (entries.empty()) return nullptr;
     const auto it = entries.find(&module);
-    return it != entries.end() && it->second.lock().get() == &module;
+    return it != entries.end() && it->second.module.lock().get() == &module ? &it->second : nullptr;
   }
   std::mutex mutex_;
   Entries fp32_, mapped_;
 };
+
+/// A Trainer<policy> on `model`: an Error if a precision map was applied to it, or to a part of
+/// it, for another policy (its fp32 modules would be cast, or its regions set for another one).
+inline void check_precision_map(const torch::nn::Module& model, std::string_view policy) {
+  auto& registry = PrecisionRegistry::instance();
+  const auto root = registry.mapped_policy(model);
+  MIXPREC_CHECK(!root || *root == policy, "Trainer<", policy, ">: the model's precision map "
+                "was applied for ", *root, ": apply it with apply_precision_map<the Trainer's "
+                "policy>, or build a Trainer<", *root, ">");
+  if (root) return;
+  for (const auto& item : model.named_modules("", /*include_self=*/false)) {
+    const auto part = registry.mapped_policy(*item.value());
+    MIXPREC_CHECK(!part && !registry.kept_fp32(*item.value()), "Trainer<", policy, ">: module '",
+                  item.key(), "' was given a precision by a map applied to ",
+                  part ? "it" : "another model", ", not to this model: apply the map to the "
+                  "model the Trainer trains");
+  }
+}
 
 /// Casts every floating parameter and buffer of `model` to `dtype`, except BatchNorm's when
 /// `keep_batch_norm_fp32` and those of the modules a precision map keeps in fp32; with `only`,

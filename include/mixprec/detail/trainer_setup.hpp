@@ -3,6 +3,7 @@
 // machine), the scaler it builds from its options, and the training-mode guard of evaluate().
 
 #include <mixprec/capabilities.hpp>
+#include <mixprec/detail/model_cast.hpp>
 #include <mixprec/error.hpp>
 #include <mixprec/fused_adam.hpp>
 #include <mixprec/master_weights.hpp>
@@ -130,6 +131,7 @@ template <class P>
 std::shared_ptr<torch::nn::Module> checked_model(std::shared_ptr<torch::nn::Module> model,
                                                  const torch::optim::Optimizer& optimizer) {
   MIXPREC_CHECK(model != nullptr, "Trainer got a null model");
+  check_precision_map(*model, P::name);
   check_half_math<P>(*model);
   check_supported_optimizer(optimizer);
   check_optimizer_constants<P>(optimizer);
