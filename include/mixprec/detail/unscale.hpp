@@ -436,8 +436,8 @@ inline bool use_aten_unscale(const at::Device& device) { return !device.is_cpu()
 inline void aten_unscale_(const std::vector<at::Tensor>& grads, float factor,
                           const at::Tensor& found_inf) {
   if (grads.front().scalar_type() == at::kBFloat16) {
-    // The CUDA kernel has no BFloat16 version (it throws "not implemented", seen on an H200 with
-    // LibTorch 2.11): fp32 copies, each value computed in fp32 and rounded once, as on the CPU.
+    // The CUDA kernel has no BFloat16 version (it throws for bf16, seen on an H200 with LibTorch
+    // 2.11): fp32 copies, each value computed in fp32 and rounded once, as on the CPU.
     std::vector<at::Tensor> wide;
     wide.reserve(grads.size());
     for (const auto& g : grads) wide.push_back(g.to(at::kFloat));
