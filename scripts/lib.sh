@@ -41,15 +41,17 @@ mixprec_ensure_packages_for() {
 # Sets MIXPREC_PRESET_PREFIX ("" or "system-"), MIXPREC_CMAKE_ARGS and MIXPREC_PYTHON (a Python
 # whose torch is the same version, for the parity and interop tests).
 MIXPREC_TORCH_WHEEL=torch==2.13.0
-MIXPREC_VENV_EXTRAS=(numpy)  # torch warns on import without it
+# numpy: torch warns on import without it; torchao: the reference of the fp8 parity test.
+MIXPREC_TORCHAO=0.18.0
+MIXPREC_VENV_EXTRAS=(numpy "torchao==$MIXPREC_TORCHAO")
 mixprec_select_libtorch() {
   case "${MIXPREC_LIBTORCH:-wheel}" in
     wheel)
       local venv=build/venv
       MIXPREC_PYTHON="$PWD/$venv/bin/python"
       local installed
-      installed=$("$MIXPREC_PYTHON" -c 'from importlib.metadata import version; print(version("torch"))' 2>/dev/null || true)
-      if [ "${installed%+*}" != "${MIXPREC_TORCH_WHEEL#torch==}" ]; then
+      installed=$("$MIXPREC_PYTHON" -c 'from importlib.metadata import version; print(version("torch").split("+")[0], version("torchao"))' 2>/dev/null || true)
+      if [ "$installed" != "${MIXPREC_TORCH_WHEEL#torch==} $MIXPREC_TORCHAO" ]; then
         echo "mixprec: installing $MIXPREC_TORCH_WHEEL into $venv" >&2
         python3 -m venv "$venv"
         "$venv/bin/pip" install --quiet --disable-pip-version-check "$MIXPREC_TORCH_WHEEL" \

@@ -1,6 +1,8 @@
 #pragma once
 // Helpers shared by the test files.
 
+#include <mixprec/fp8.hpp>
+
 #include <torch/torch.h>
 
 #include <cstdint>
@@ -9,6 +11,14 @@
 #include <vector>
 
 namespace test {
+
+/// Runs `body(Recipe{})` where this LibTorch has fp8 (mixprec::has_fp8). The body is a generic
+/// lambda, so that nothing naming MixedFP8 is compiled under LibTorch 1.13, where such cases are
+/// skipped (`* doctest::skip(!mixprec::has_fp8)`).
+template <class Recipe = mixprec::TensorwiseScaling, class Body>
+void with_fp8(Body&& body) {
+  if constexpr (mixprec::has_fp8) body(Recipe{});
+}
 
 /// Whether this build runs under AddressSanitizer (GCC and clang define __SANITIZE_ADDRESS__ or
 /// report the feature): for the few cases that doctest::skip there.

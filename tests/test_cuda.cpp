@@ -34,6 +34,42 @@ TEST_SUITE("cuda") {
     }
   }
 
+  TEST_CASE("MixedFP8 on CUDA: at::_scaled_mm's products against the emulated ones" *
+            doctest::skip(!mp::has_fp8)) {
+    test::with_fp8([](auto recipe) {
+      using P = mp::MixedFP8<decltype(recipe)>;
+      // 64 -> 32: every dimension a multiple of 16 (cuBLASLt's _scaled_mm); 20 -> 32: not (the
+      // emulated product, on the GPU).
+      for (const std::int64_t in : {64, 20}) {
+        CAPTURE(in);
+        torch::manual_seed(3);
+        auto layer = mp::nn::Float8Linear(in, 32);
+        layer->to(torch::kCUDA);
+        torch::optim::SGD sgd(layer->parameters(), torch::optim::SGDOptions(0.01));
+        mp::Trainer<P> trainer(layer, sgd);
+        layer->keep_operands();
+        const auto x = torch::randn({48, in}, torch::kCUDA);
+        at::Tensor out;
+        const auto report = trainer.step([&] {
+          out = layer(trainer.cast_input(x));
+          return out.to(at::kFloat).pow(2).mean();
+        });
+        CHECK(report.stepped());
+        // The same fp8 operands through the CPU's emulation.
+        const auto& ops = layer->last_operands();
+        const auto cpu = [](const mp::Fp8Tensor& t) { return mp::Fp8Tensor{t.data.cpu(), t.scale.cpu()}; };
+        const auto emulated = mp::detail::fp8_mm(cpu(ops.input), {cpu(ops.weight).data.t(), ops.weight.scale.cpu()},
+                                                 at::kFloat);
+        const auto on_gpu = mp::detail::fp8_mm(ops.input, {ops.weight.data.t(), ops.weight.scale}, at::kFloat).cpu();
+        const double diff = (on_gpu.to(at::kDouble) - emulated.to(at::kDouble)).abs().max().template item<double>();
+        const double largest = emulated.abs().max().template item<double>();
+        MESSAGE("in " << in << ": fp8 product on the GPU vs emulated on the CPU: largest difference "
+                << diff << " of " << largest);
+        CHECK(diff <= largest * 1e-5);  // the scales applied after the fp32 sum instead of before
+      }
+    });
+  }
+
   TEST_CASE("real fp16 overflow, underflow and growth on CUDA") {
     test::backs_off_from_real_overflow<mp::MixedO1<at::Half>>(torch::kCUDA);
     test::backs_off_from_real_overflow<mp::MixedO2<at::Half>>(torch::kCUDA);

@@ -16,6 +16,7 @@
 #include <fstream>
 #include <sstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace mp = mixprec;
@@ -51,22 +52,27 @@ std::pair<at::Tensor, at::Tensor> make_data() {
   return {x, y};
 }
 
-void write_input(const std::string& path, const torch::nn::Sequential& model, const at::Tensor& x,
-                 const at::Tensor& y, const Setup& s) {
+// The Python side's input, a torch::pickle_save dict: the initial weights (param.NAME), the data
+// (x, y) and the settings.
+void write_python_input(const std::string& path, const torch::nn::Module& model, const at::Tensor& x,
+                        const at::Tensor& y, const std::vector<std::pair<std::string, c10::IValue>>& settings) {
   c10::impl::GenericDict dict(c10::StringType::get(), c10::AnyType::get());
-  for (const auto& item : model->named_parameters()) {
+  for (const auto& item : model.named_parameters()) {
     dict.insert("param." + item.key(), item.value().detach().clone());
   }
   dict.insert("x", x);
   dict.insert("y", y);
-  dict.insert("steps", s.steps);
-  dict.insert("batch", s.batch);
-  dict.insert("lr", s.lr);
-  dict.insert("momentum", s.momentum);
-  dict.insert("init_scale", s.init_scale);
-  dict.insert("growth_interval", s.growth_interval);
+  for (const auto& [key, value] : settings) dict.insert(key, value);
   const auto bytes = torch::pickle_save(c10::IValue(dict));
   std::ofstream(path, std::ios::binary).write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+}
+
+void write_input(const std::string& path, const torch::nn::Sequential& model, const at::Tensor& x,
+                 const at::Tensor& y, const Setup& s) {
+  write_python_input(path, *model, x, y,
+                     {{"steps", s.steps}, {"batch", s.batch}, {"lr", s.lr},
+                      {"momentum", s.momentum}, {"init_scale", s.init_scale},
+                      {"growth_interval", s.growth_interval}});
 }
 
 std::vector<StepRecord> run_python(const std::string& mode, const std::string& input) {
@@ -175,21 +181,8 @@ void check_branch_parity(const std::string& mode, double tolerance,
   torch::manual_seed(13);
   auto model = std::make_shared<test::Branchy>();
   const auto input = test::temp_path("parity_" + mode + ".pt");
-  {
-    c10::impl::GenericDict dict(c10::StringType::get(), c10::AnyType::get());
-    for (const auto& item : model->named_parameters()) {
-      dict.insert("param." + item.key(), item.value().detach().clone());
-    }
-    dict.insert("x", x);
-    dict.insert("y", y);
-    dict.insert("steps", steps);
-    dict.insert("batch", batch);
-    dict.insert("lr", 1e-2);
-    dict.insert("weight_decay", 0.5);
-    const auto bytes = torch::pickle_save(c10::IValue(dict));
-    std::ofstream(input, std::ios::binary)
-        .write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
-  }
+  write_python_input(input, *model, x, y,
+                     {{"steps", steps}, {"batch", batch}, {"lr", 1e-2}, {"weight_decay", 0.5}});
   const auto output = test::temp_path("parity_" + mode + ".txt");
   std::remove(output.c_str());
   const auto command = std::string(MIXPREC_SYSTEM_PYTHON) + " " + MIXPREC_PARITY_SCRIPT + " " +
@@ -238,4 +231,189 @@ TEST_CASE("parity with PyTorch: ... and MixedO1<BFloat16> vs torch.autocast(bflo
 TEST_CASE("parity with PyTorch: ... and the fused AdamW step" * doctest::skip(!mp::fused_adam_available)) {
   check_branch_parity<mp::FullPrecision>("branch_fp32", 1e-6,
                                          mp::TrainerOptions().fused_optimizer(true));
+}
+
+// ---- MixedFP8<TensorwiseScaling> vs torchao's float8 training (tests/parity_fp8.py): the same
+// MLP and transformer block, weights and data; the fp8 operands of the first step byte for byte,
+// its outputs and gradients, then the loss of every step.
+namespace {
+
+struct Fp8MlpImpl : torch::nn::Module {
+  Fp8MlpImpl()
+      : fc1(register_module("fc1", mp::nn::Float8Linear(16, 64))),
+        fc2(register_module("fc2", mp::nn::Float8Linear(64, 64))),
+        head(register_module("head", mp::nn::Float8Linear(64, 4))) {}
+  at::Tensor forward(const at::Tensor& x) { return head(torch::gelu(fc2(torch::gelu(fc1(x))))); }
+  mp::nn::Float8Linear fc1, fc2, head;
+};
+TORCH_MODULE(Fp8Mlp);
+
+// A pre-norm transformer block (two heads) and a linear head on the mean over positions.
+struct Fp8BlockImpl : torch::nn::Module {
+  explicit Fp8BlockImpl(std::int64_t d = 32)
+      : norm1(register_module("norm1", torch::nn::LayerNorm(torch::nn::LayerNormOptions({d})))),
+        query(register_module("query", mp::nn::Float8Linear(d, d))),
+        key(register_module("key", mp::nn::Float8Linear(d, d))),
+        value(register_module("value", mp::nn::Float8Linear(d, d))),
+        proj(register_module("proj", mp::nn::Float8Linear(d, d))),
+        norm2(register_module("norm2", torch::nn::LayerNorm(torch::nn::LayerNormOptions({d})))),
+        fc1(register_module("fc1", mp::nn::Float8Linear(d, 4 * d))),
+        fc2(register_module("fc2", mp::nn::Float8Linear(4 * d, d))),
+        head(register_module("head", mp::nn::Float8Linear(d, 4))) {}
+  at::Tensor forward(const at::Tensor& x0) {
+    const auto b = x0.size(0), t = x0.size(1), d = x0.size(2), heads = std::int64_t{2};
+    const auto split = [&](const at::Tensor& y) { return y.reshape({b, t, heads, d / heads}).transpose(1, 2); };
+    const auto h = norm1(x0);
+    const auto q = split(query(h)), k = split(key(h)), v = split(value(h));
+    const auto scores = torch::matmul(q, k.transpose(-2, -1)) *
+                        (1.0 / std::sqrt(static_cast<double>(d / heads)));
+    const auto attended = torch::matmul(torch::softmax(scores, -1), v).transpose(1, 2).reshape({b, t, d});
+    auto x = x0 + proj(attended);
+    x = x + fc2(torch::gelu(fc1(norm2(x))));
+    return head(x.mean(1));
+  }
+  torch::nn::LayerNorm norm1;
+  mp::nn::Float8Linear query, key, value, proj;
+  torch::nn::LayerNorm norm2;
+  mp::nn::Float8Linear fc1, fc2, head;
+};
+TORCH_MODULE(Fp8Block);
+
+// The losses of `steps` steps of Trainer<P> with AdamW(lr) over the batches of (x, y);
+// on_step(step, logits) after each, and on_step(-1, {}) once the Trainer is built.
+template <class P, class Model, class OnStep>
+std::vector<double> train_batches(Model& model, const at::Tensor& x, const at::Tensor& y,
+                                  std::int64_t steps, std::int64_t batch, double lr, OnStep&& on_step) {
+  torch::optim::AdamW adam(model->parameters(), torch::optim::AdamWOptions(lr));
+  mp::Trainer<P> trainer(model, adam);
+  on_step(-1, at::Tensor());  // before the first step
+  std::vector<double> losses;
+  for (std::int64_t step = 0; step < steps; ++step) {
+    const auto start = (step * batch) % x.size(0);
+    const auto xb = x.slice(0, start, start + batch);
+    const auto yb = y.slice(0, start, start + batch);
+    at::Tensor logits;
+    const auto report = trainer.step([&] {
+      logits = model->forward(trainer.cast_input(xb));
+      return torch::nn::functional::cross_entropy(logits.to(at::kFloat), yb);
+    });
+    REQUIRE(report.stepped());
+    on_step(step, logits);
+    losses.push_back(report.loss.template item<double>());
+  }
+  return losses;
+}
+
+template <class P, class Model>
+void check_torchao_parity(const std::string& kind, const at::Tensor& x, const at::Tensor& y) {
+  torch::manual_seed(11);
+  Model model;
+  torch::set_num_threads(1);  // as the Python side: one reduction order
+  const std::int64_t steps = 120, batch = 32;
+  const double lr = 3e-3;
+  const auto input = test::temp_path("parity_fp8_" + kind + ".pt");
+  const auto output = test::temp_path("parity_fp8_" + kind + ".out.pt");
+  write_python_input(input, *model, x, y, {{"steps", steps}, {"batch", batch}, {"lr", lr}});
+  std::remove(output.c_str());
+  const auto command = std::string(MIXPREC_SYSTEM_PYTHON) + " " + MIXPREC_PARITY_FP8_SCRIPT + " " +
+                       kind + " " + input + " " + output;
+  REQUIRE(std::system(command.c_str()) == 0);
+  std::ifstream in(output, std::ios::binary);
+  const std::vector<char> saved((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const auto python = torch::pickle_load(saved).toGenericDict();
+  const auto theirs = [&](const std::string& key) {
+    INFO(key);
+    REQUIRE(python.contains(key));
+    return python.at(key).toTensor();
+  };
+
+  // mixprec: the head kept in bf16 for the block, as torchao's module_filter_fn does there.
+  if (kind == "block") {
+    mp::apply_precision_map<P>(model, mp::PrecisionMap().add("head", mp::Precision::low));
+  }
+  std::vector<std::pair<std::string, mp::nn::Float8LinearImpl*>> layers;
+  double first_diff = 0;
+  const auto ours = train_batches<P>(model, x, y, steps, batch, lr, [&](std::int64_t step, const at::Tensor& logits) {
+    if (step == -1) {
+      for (const auto& item : model->named_modules("", false)) {
+        auto* layer = item.value()->template as<mp::nn::Float8LinearImpl>();
+        if (layer != nullptr && layer->computes_fp8()) {
+          layer->keep_operands();
+          layers.emplace_back(item.key(), layer);
+        }
+      }
+      REQUIRE(layers.size() == (kind == "block" ? 6U : 3U));
+    } else if (step == 0) {
+      // The fp8 operands: the same scales and bytes.
+      std::int64_t operands = 0;
+      for (const auto& [name, layer] : layers) {
+        const auto& ops = layer->last_operands();
+        for (const auto& [role, t] : {std::pair<std::string, const mp::Fp8Tensor*>{"input", &ops.input},
+                                      {"weight", &ops.weight}, {"grad_output", &ops.grad_output}}) {
+          const auto key = "ops." + name + "." + role;
+          INFO(key);
+          CHECK(t->scale.template item<float>() == theirs(key + ".scale").template item<float>());
+          CHECK(test::bytes_of(t->data).equal(theirs(key + ".bytes").reshape({-1})));
+          ++operands;
+        }
+      }
+      MESSAGE(kind, ": the first step's ", operands, " fp8 operands compared (scales and bytes)");
+      // Outputs and gradients of the first step.
+      const auto diff = [&](const at::Tensor& a, const at::Tensor& b) {
+        return (a.to(at::kDouble) - b.to(at::kDouble)).abs().max().template item<double>();
+      };
+      first_diff = diff(logits.detach(), theirs("first.logits"));
+      for (const auto& item : model->named_parameters()) {
+        first_diff = std::max(first_diff, diff(item.value().grad(), theirs("first.grad." + item.key())));
+      }
+    }
+  });
+  // The same model and data under MixedO2<BFloat16>: how far fp8 itself moves the losses.
+  torch::manual_seed(11);
+  Model bf16_model;
+  const auto bf16 = train_batches<mp::MixedO2<at::BFloat16>>(bf16_model, x, y, steps, batch, lr,
+                                                             [](std::int64_t, const at::Tensor&) {});
+  double loss_diff = 0, fp8_effect = 0;
+  std::int64_t identical_steps = 0;  // from the first, the steps whose losses are bitwise equal
+  for (std::int64_t step = 0; step < steps; ++step) {
+    const double python_loss = theirs("losses")[step].template item<double>();
+    if (ours[step] == python_loss && identical_steps == step) identical_steps = step + 1;
+    loss_diff = std::max(loss_diff, std::abs(ours[step] - python_loss));
+    fp8_effect = std::max(fp8_effect, std::abs(bf16[step] - python_loss));
+  }
+  const double first = theirs("losses")[0].template item<double>();
+  const double last = theirs("losses")[steps - 1].template item<double>();
+  MESSAGE(kind, " vs torchao, ", steps, " steps: first step's outputs and gradients largest "
+          "difference ", first_diff, "; loss ", first, " -> ", last, ", identical for the first ",
+          identical_steps, " steps, largest loss difference ", loss_diff, "; torchao vs "
+          "MixedO2<BFloat16>: ", fp8_effect);
+  CHECK(first_diff == 0.0);
+  // Bit for bit until an fp32 master first rounds to another bf16 weight (AdamW's arithmetic
+  // differs between LibTorch and Python in the last fp32 bit); from there the two runs are two
+  // draws of the same fp8 rounding noise, which stay closer to each other than fp8 is to bf16.
+  CHECK(identical_steps >= 20);
+  CHECK(loss_diff <= 0.5 * fp8_effect);
+  CHECK(last < 0.7 * first);  // it trained
+}
+
+}  // namespace
+
+TEST_CASE("parity with torchao: MixedFP8<TensorwiseScaling> vs Float8Linear, an MLP" *
+          doctest::skip(!mp::has_fp8)) {
+  test::with_fp8([](auto recipe) {
+    torch::manual_seed(7);
+    const auto x = torch::randn({256, 16}) * 3;
+    const auto y = x.matmul(torch::randn({16, 4})).argmax(1);
+    check_torchao_parity<mp::MixedFP8<decltype(recipe)>, Fp8Mlp>("mlp", x, y);
+  });
+}
+
+TEST_CASE("parity with torchao: MixedFP8<TensorwiseScaling> vs Float8Linear, a transformer block" *
+          doctest::skip(!mp::has_fp8)) {
+  test::with_fp8([](auto recipe) {
+    torch::manual_seed(7);
+    const auto x = torch::randn({256, 8, 32});
+    const auto y = x.mean(1).matmul(torch::randn({32, 4})).argmax(1);
+    check_torchao_parity<mp::MixedFP8<decltype(recipe)>, Fp8Block>("block", x, y);
+  });
 }

@@ -20,6 +20,7 @@
 #include <mixprec/detail/rng_states.hpp>
 #include <mixprec/diagnostics.hpp>
 #include <mixprec/error.hpp>
+#include <mixprec/fp8.hpp>
 #include <mixprec/nn.hpp>
 #include <mixprec/policy.hpp>
 #include <mixprec/precision_map.hpp>
@@ -65,6 +66,25 @@ struct AdviseOptions {
   /// The fraction of a layer's nonzero activations, or gradient elements, that may fall below
   /// fp16's smallest subnormal (2^-24, scaled by the loss scale for gradients) and be lost.
   TORCH_ARG(double, underflow_tolerance) = 1e-3;
+  /// The fraction of an fp8 operand's nonzero elements (a Float8Linear's input, weight or
+  /// output gradient) that may round to 0 under tensorwise scaling, where its largest |x| maps
+  /// to e4m3's 448 (e5m2's 57344 for gradients): below 2^-10 (2^-17) after scaling.
+  TORCH_ARG(double, fp8_underflow_tolerance) = 1e-2;
+};
+
+/// What the fp32 steps showed of one fp8 operand of a Float8Linear, under tensorwise scaling.
+struct Fp8OperandAdvice {
+  double amax = 0.0;       ///< the largest |x|, which the scale maps to the format's max
+  double flushed = 0.0;    ///< fraction of its nonzero elements that would round to 0
+  double subnormal = 0.0;  ///< fraction that would be subnormal (fewer than 3 or 2 mantissa bits)
+};
+
+/// Whether MixedFP8 can hold one mixprec::nn::Float8Linear.
+struct Fp8LayerAdvice {
+  std::string name;  ///< its named_modules() path
+  Fp8OperandAdvice input, weight, grad_output;  ///< e4m3, e4m3, e5m2
+  bool fp8 = true;   ///< no operand loses more than AdviseOptions::fp8_underflow_tolerance to 0
+  std::string reason;  ///< why not, when not
 };
 
 /// What the fp32 steps showed of one layer.
@@ -104,6 +124,17 @@ struct Advice {
   /// On a CPU whose fp16 convolution weight gradients are oneDNN's reference loop
   /// (CpuCapabilities::fp16_conv_weight_grad_slow): the model's convolutions that would take it.
   std::vector<std::string> slow_fp16_convolutions;
+  /// The model's mixprec::nn::Float8Linear layers (those that ran), and whether fp8 holds each.
+  std::vector<Fp8LayerAdvice> fp8_layers;
+
+  /// The PrecisionMap (for MixedFP8) that keeps in bf16 the Float8Linear layers fp8 cannot hold.
+  PrecisionMap fp8_precision_map() const {
+    PrecisionMap map;
+    for (const auto& layer : fp8_layers) {
+      if (!layer.fp8) map.add(layer.name, Precision::low);
+    }
+    return map;
+  }
 
   /// The layers to keep in fp32 to train in `low` (at::kHalf or at::kBFloat16).
   std::vector<std::string> keep_fp32(c10::ScalarType low) const {
@@ -528,6 +559,9 @@ Advice advise(torch::nn::Module& model, LossFn&& loss_fn, const AdviseOptions& o
   MIXPREC_CHECK(options.underflow_tolerance() >= 0 && options.underflow_tolerance() < 1,
                 "AdviseOptions::underflow_tolerance must be in [0, 1), got ",
                 options.underflow_tolerance());
+  MIXPREC_CHECK(options.fp8_underflow_tolerance() >= 0 && options.fp8_underflow_tolerance() < 1,
+                "AdviseOptions::fp8_underflow_tolerance must be in [0, 1), got ",
+                options.fp8_underflow_tolerance());
   const auto named = model.named_parameters();
   MIXPREC_CHECK(named.size() > 0, "advise(): the model has no parameters");
   // Each tensor's layer: the module path of its first name.
@@ -547,7 +581,16 @@ Advice advise(torch::nn::Module& model, LossFn&& loss_fn, const AdviseOptions& o
 
   std::unordered_map<std::string, detail::GradientRecord> gradients;
   std::vector<std::pair<std::string, detail::LayerRecorder::Activations>> activations;
+  const auto fp8_watch = std::make_shared<detail::Fp8Watch>();
   {
+    struct WatchFp8 {  // the Float8Linear layers report their operands while it is set
+      explicit WatchFp8(std::shared_ptr<detail::Fp8Watch> watch) {
+        detail::Fp8Watch::current() = std::move(watch);
+      }
+      ~WatchFp8() { detail::Fp8Watch::current().reset(); }
+      WatchFp8(const WatchFp8&) = delete;
+      WatchFp8& operator=(const WatchFp8&) = delete;
+    } watching(fp8_watch);
     detail::AdviseStateGuard restore(model);
     std::vector<at::Tensor> tensors;
     for (const auto& [layer, p] : params) tensors.push_back(p);
@@ -644,6 +687,29 @@ Advice advise(torch::nn::Module& model, LossFn&& loss_fn, const AdviseOptions& o
                       " to " + detail::short_number(l.gradient_max) + " is more than fp16 spans";
     }
   }
+  for (const auto& item : model.named_modules("", /*include_self=*/true)) {
+    const auto* operands = fp8_watch->find(item.value().get());
+    if (operands == nullptr) continue;
+    Fp8LayerAdvice layer;
+    layer.name = item.key().empty() ? "(model)" : item.key();
+    const auto fill = [&](Fp8OperandAdvice& out, Fp8Role role, const char* what, const char* format) {
+      const auto& o = (*operands)[static_cast<int>(role)];
+      out.amax = o.amax;
+      const auto nonzero = static_cast<double>(std::max<std::int64_t>(o.nonzero, 1));
+      out.flushed = static_cast<double>(o.flushed) / nonzero;
+      out.subnormal = static_cast<double>(o.subnormal) / nonzero;
+      if (layer.fp8 && out.flushed > options.fp8_underflow_tolerance()) {
+        layer.fp8 = false;
+        layer.reason = detail::short_number(100 * out.flushed) + "% of its nonzero " + what +
+                       " would round to 0 in " + format + " (their largest, " +
+                       detail::short_number(o.amax) + ", sets the scale)";
+      }
+    };
+    fill(layer.input, Fp8Role::input, "inputs", "e4m3");
+    fill(layer.weight, Fp8Role::weight, "weights", "e4m3");
+    fill(layer.grad_output, Fp8Role::grad_output, "output gradients", "e5m2");
+    advice.fp8_layers.push_back(std::move(layer));
+  }
   if (advice.device == c10::DeviceType::CPU && cpu_capabilities().fp16_conv_weight_grad_slow) {
     advice.slow_fp16_convolutions = nn::detail::fp16_weight_grad_convolutions(model);
   }
@@ -715,6 +781,32 @@ inline std::ostream& operator<<(std::ostream& out, const Advice& advice) {
   text << "\n  bf16: " << (advice.bf16_safe ? "safe" : "not safe") << "\n  recommended: "
        << advice.recommended << '\n';
   for (const auto& reason : advice.reasons) text << "    - " << reason << '\n';
+  if (!advice.fp8_layers.empty()) {
+    // Per operand: its largest |x| / the % of nonzero elements that round to 0 / that are
+    // subnormal, with the largest mapped to the format's max (tensorwise scaling).
+    std::size_t fp8_width = 5;
+    for (const auto& l : advice.fp8_layers) fp8_width = std::max(fp8_width, l.name.size());
+    const int fw = static_cast<int>(fp8_width);
+    const auto operand = [](const Fp8OperandAdvice& o) {
+      std::ostringstream cell;
+      cell << detail::short_number(o.amax) << " " << std::fixed << std::setprecision(2)
+           << 100 * o.flushed << "% " << 100 * o.subnormal << "%";
+      return cell.str();
+    };
+    text << "  fp8 (MixedFP8, tensorwise scaling): per operand max |x|, % of nonzero rounding to "
+         << "0, % subnormal\n  " << std::left << std::setw(fw) << "layer" << std::setw(24)
+         << "  input (e4m3)" << std::setw(24) << "  weight (e4m3)" << std::setw(24)
+         << "  grad_output (e5m2)" << "  fp8\n";
+    for (const auto& l : advice.fp8_layers) {
+      text << "  " << std::setw(fw) << l.name << "  " << std::setw(22) << operand(l.input) << "  "
+           << std::setw(22) << operand(l.weight) << "  " << std::setw(22)
+           << operand(l.grad_output) << "  " << (l.fp8 ? "ok" : "bf16") << '\n';
+    }
+    text << std::right;
+    for (const auto& l : advice.fp8_layers) {
+      if (!l.fp8) text << "  keep " << l.name << " in bf16 under MixedFP8: " << l.reason << '\n';
+    }
+  }
   return out << text.str();
 }
 

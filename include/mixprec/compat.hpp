@@ -8,6 +8,7 @@
 #include <c10/core/ScalarType.h>
 #include <torch/version.h>
 
+#include <cstdint>
 #include <optional>
 #include <sstream>
 #include <string>
@@ -19,6 +20,11 @@
 #define MIXPREC_TORCH_AT_LEAST(major, minor) \
   (TORCH_VERSION_MAJOR > (major) ||          \
    (TORCH_VERSION_MAJOR == (major) && TORCH_VERSION_MINOR >= (minor)))
+
+#if MIXPREC_TORCH_AT_LEAST(2, 5)
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Float8_e5m2.h>
+#endif
 
 /// The c10d class that ProcessGroupGloo and ProcessGroupNCCL derive from (mixprec::ProcessGroup,
 /// declared by distributed.hpp, which includes c10d): c10d::Backend in LibTorch 2.x,
@@ -49,6 +55,9 @@ inline constexpr bool mixed_dtype_norms = TORCH_VERSION_MAJOR >= 2;
 
 /// True where the Gloo backend reduces bf16 tensors (LibTorch 2.x; 1.13's cannot).
 inline constexpr bool gloo_reduces_bf16 = TORCH_VERSION_MAJOR >= 2;
+/// True where LibTorch has the float8 dtypes (e4m3fn, e5m2) and an at::_scaled_mm that returns
+/// one tensor (LibTorch >= 2.5): what MixedFP8 (fp8.hpp) needs.
+inline constexpr bool has_fp8 = MIXPREC_TORCH_AT_LEAST(2, 5);
 
 namespace detail {
 
@@ -124,6 +133,34 @@ inline void fused_adam_kernel(bool adamw, FusedAdamBatch& b, double lr, double b
       (void)amsgrad, (void)grad_scale;
 #endif
 }
+
+// The float8 dtypes, and at::_scaled_mm: `a @ b * scale_a * scale_b` (a row-major, b
+// column-major, the scales fp32 scalars) in out_dtype. Undefined dtypes and an Error where
+// has_fp8 is false (MixedFP8 does not compile there, so nothing reaches them).
+#if MIXPREC_TORCH_AT_LEAST(2, 5)
+inline constexpr c10::ScalarType float8_e4m3 = c10::ScalarType::Float8_e4m3fn;
+inline constexpr c10::ScalarType float8_e5m2 = c10::ScalarType::Float8_e5m2;
+inline at::Tensor scaled_mm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& scale_a,
+                            const at::Tensor& scale_b, c10::ScalarType out_dtype) {
+  return at::_scaled_mm(a, b, scale_a, scale_b, std::nullopt, std::nullopt, out_dtype);
+}
+// The value of an fp8 code of `dtype` (e4m3fn or e5m2), exact in fp32.
+inline float float8_value(c10::ScalarType dtype, std::uint8_t code) {
+  return dtype == float8_e4m3
+             ? static_cast<float>(c10::Float8_e4m3fn(code, c10::Float8_e4m3fn::from_bits()))
+             : static_cast<float>(c10::Float8_e5m2(code, c10::Float8_e5m2::from_bits()));
+}
+#else
+inline constexpr c10::ScalarType float8_e4m3 = c10::ScalarType::Undefined;
+inline constexpr c10::ScalarType float8_e5m2 = c10::ScalarType::Undefined;
+inline at::Tensor scaled_mm(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                            const at::Tensor&, c10::ScalarType) {
+  TORCH_CHECK(false, "mixprec: fp8 matrix products need LibTorch >= 2.5");
+}
+inline float float8_value(c10::ScalarType, std::uint8_t) {
+  TORCH_CHECK(false, "mixprec: fp8 needs LibTorch >= 2.5");
+}
+#endif
 
 }  // namespace detail
 }  // namespace mixprec

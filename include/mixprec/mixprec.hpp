@@ -9,6 +9,7 @@
 #include <mixprec/diagnostics.hpp>
 #include <mixprec/distributed.hpp>
 #include <mixprec/error.hpp>
+#include <mixprec/fp8.hpp>
 #include <mixprec/master_weights.hpp>
 #include <mixprec/nn.hpp>
 #include <mixprec/ops.hpp>

@@ -61,6 +61,10 @@ struct LowPrecision<at::BFloat16> {
   using dynamic_scaler = NoScaler;  // bf16 has fp32's exponent range
 };
 
+/// A policy whose mixprec::nn::Float8Linear layers compute in fp8 (MixedFP8, fp8.hpp).
+template <class P>
+inline constexpr bool fp8_policy = requires { typename P::recipe; };
+
 /// Members shared by the three low-precision families.
 template <class Low>
 struct LowPrecisionPolicy {

@@ -27,9 +27,11 @@
 #include <mixprec/detail/model_cast.hpp>
 #include <mixprec/detail/tensor_set.hpp>
 #include <mixprec/error.hpp>
+#include <mixprec/policy.hpp>
 
 #include <ATen/ATen.h>
 #include <torch/nn/module.h>
+#include <torch/nn/modules/linear.h>
 #include <torch/nn/pimpl.h>
 
 #include <algorithm>
@@ -52,10 +54,14 @@ namespace mixprec {
 enum class Precision {
   fp32,  ///< fp32 parameters and compute; autocast off inside it under MixedO1
   low,   ///< the policy's low dtype (fp32 under FullPrecision); autocast on under MixedO1
+  fp8,   ///< under MixedFP8 (fp8.hpp): its mixprec::nn::Float8Linear layers compute their matrix
+         ///< products in fp8, the rest in bf16: what MixedFP8 gives the whole model by default
 };
 
 inline std::ostream& operator<<(std::ostream& stream, Precision precision) {
-  return stream << (precision == Precision::fp32 ? "fp32" : "low");
+  return stream << (precision == Precision::fp32  ? "fp32"
+                    : precision == Precision::low ? "low"
+                                                  : "fp8");
 }
 
 /// Where the output of a module whose precision differs from its surroundings goes.
@@ -160,6 +166,24 @@ inline std::string closest_names(std::string_view pattern, const std::vector<std
   return result.empty() ? "none (the model has no submodules)" : result;
 }
 
+// A mapped module's forward: `compute` (the module's own) with its inputs cast to the
+// region's dtype (or autocast switched), and its output cast back to its surroundings'.
+template <class Compute>
+at::Tensor forward_in_region(const MappableBase::Region& region, const at::Tensor& input,
+                             Compute&& compute) {
+  if (!region.active) return compute(input);
+  std::optional<AutocastGuard> guard;
+  if (region.autocast) guard.emplace(input.device().type(), region.autocast_dtype, *region.autocast);
+  const bool floating = input.defined() && at::isFloatingType(input.scalar_type());
+  auto out = compute(floating && region.cast_inputs ? input.to(region.dtype) : input);
+  if (region.cast_output && out.defined() && at::isFloatingType(out.scalar_type())) {
+    const auto target = region.output_dtype.value_or(floating ? input.scalar_type()
+                                                              : out.scalar_type());
+    if (out.scalar_type() != target) out = out.to(target);
+  }
+  return out;
+}
+
 }  // namespace detail
 
 inline const PrecisionRule* PrecisionMap::match(std::string_view path) const {
@@ -196,19 +220,8 @@ class MappableImpl : public torch::nn::Module, public mixprec::detail::MappableB
   /// (a Linear, a norm layer, a convolution, a block of the user's), so that it also fits in a
   /// torch::nn::Sequential.
   at::Tensor forward(const at::Tensor& input) {
-    if (!region_.active) return inner_->forward(input);
-    std::optional<AutocastGuard> guard;
-    if (region_.autocast) {
-      guard.emplace(input.device().type(), region_.autocast_dtype, *region_.autocast);
-    }
-    const bool floating = input.defined() && at::isFloatingType(input.scalar_type());
-    auto out = inner_->forward(floating && region_.cast_inputs ? input.to(region_.dtype) : input);
-    if (region_.cast_output && out.defined() && at::isFloatingType(out.scalar_type())) {
-      const auto target = region_.output_dtype.value_or(floating ? input.scalar_type()
-                                                                 : out.scalar_type());
-      if (out.scalar_type() != target) out = out.to(target);
-    }
-    return out;
+    return mixprec::detail::forward_in_region(
+        region_, input, [this](const at::Tensor& x) { return inner_->forward(x); });
   }
 
   const torch::nn::Module& wrapped() const override { return *inner_; }
@@ -277,12 +290,21 @@ std::vector<ModulePrecision> apply_precision_map(const std::shared_ptr<torch::nn
                   " (`*` matches within one name, `**` across dots)");
   }
 
+  for (const auto& rule : map.rules()) {
+    MIXPREC_CHECK(rule.precision != Precision::fp8 || detail::fp8_policy<P>, "precision map "
+                  "rule '", rule.pattern, "' asks for fp8, which only an fp8 policy computes: "
+                  "apply the map for mixprec::MixedFP8 (and train with Trainer<MixedFP8>), not ",
+                  P::name);
+  }
   const auto dtype_of = [](Precision precision) {
     return precision == Precision::fp32 ? c10::ScalarType::Float : P::low_dtype;
   };
   // P's own: Low under O1-O3 (autocast's dtype under O1), fp32 under FullPrecision.
   const auto policy_dtype = P::cast_model || P::autocast ? P::low_dtype : c10::ScalarType::Float;
   std::unordered_map<std::string, c10::ScalarType> dtypes{{"", policy_dtype}};
+  // Under an fp8 policy: whether the Float8Linear layers of each module compute in fp8.
+  std::unordered_map<std::string, bool> fp8{{"", detail::fp8_policy<P>}};
+  std::vector<std::pair<detail::MappableBase*, bool>> fp8_layers;
   std::vector<ModulePrecision> changed;
   struct RegionRoot {
     std::shared_ptr<torch::nn::Module> module;
@@ -303,10 +325,25 @@ std::vector<ModulePrecision> apply_precision_map(const std::shared_ptr<torch::nn
   for (const auto& item : named) {  // parents before their children
     const auto& name = item.key();
     const auto dot = name.rfind('.');
-    const auto parent = dtypes.at(dot == std::string::npos ? "" : name.substr(0, dot));
+    const auto parent_name = dot == std::string::npos ? std::string() : name.substr(0, dot);
+    const auto parent = dtypes.at(parent_name);
     const auto* rule = map.match(name);
     const auto dtype = rule != nullptr ? dtype_of(rule->precision) : parent;
     dtypes[name] = dtype;
+    const bool in_fp8 = rule != nullptr ? rule->precision == Precision::fp8 : fp8.at(parent_name);
+    fp8[name] = in_fp8;
+    auto* const as_mappable = dynamic_cast<detail::MappableBase*>(item.value().get());
+    const bool fp8_capable = as_mappable != nullptr && as_mappable->fp8_capable();
+    if (rule != nullptr && rule->precision == Precision::fp8 && !fp8_capable) {
+      const bool linear = dynamic_cast<const torch::nn::LinearImpl*>(
+                              &detail::unwrapped(*item.value())) != nullptr;
+      detail::fail("precision map rule '", rule->pattern, "' asks for fp8 in module '", name,
+                   "' (", item.value()->name(), "), but only a linear layer declared as "
+                   "mixprec::nn::Float8Linear computes in fp8", linear ? ": declare it as "
+                   "mixprec::nn::Float8Linear (the same parameters, state_dict keys and "
+                   "forward)" : "; map only such layers to fp8", "; nothing was changed");
+    }
+    if (fp8_capable) fp8_layers.emplace_back(as_mappable, in_fp8);
     const std::optional<Output> output =
         dtype != parent ? std::optional<Output>(rule->output) : std::nullopt;
     const auto [first, inserted] = seen.try_emplace(item.value().get(), Seen{name, dtype, output});
@@ -318,6 +355,8 @@ std::vector<ModulePrecision> apply_precision_map(const std::shared_ptr<torch::nn
     if (dtype != policy_dtype) {
       changed.push_back({name, dtype == c10::ScalarType::Float ? Precision::fp32 : Precision::low,
                          dtype});
+    } else if (detail::fp8_policy<P> && fp8_capable && !in_fp8) {
+      changed.push_back({name, Precision::low, dtype});  // a Float8Linear kept in bf16
     }
     if constexpr (P::low_dtype == c10::ScalarType::Half && !cpu_half_math) {
       for (const auto& p : item.value()->parameters(/*recurse=*/false)) {
@@ -330,7 +369,7 @@ std::vector<ModulePrecision> apply_precision_map(const std::shared_ptr<torch::nn
     if (P::cast_model && dtype == c10::ScalarType::Float) kept_fp32.push_back(item.value());
     if (dtype == parent) continue;
     // Where the precision changes, something must change the inputs' dtype (or autocast).
-    auto* mappable = dynamic_cast<detail::MappableBase*>(item.value().get());
+    auto* const mappable = as_mappable;
     const auto& module = *item.value();
     const bool plain_norm = P::cast_model && dtype == c10::ScalarType::Float &&
                             rule->output == Output::surroundings &&  // its kernel's output dtype
@@ -406,6 +445,7 @@ std::vector<ModulePrecision> apply_precision_map(const std::shared_ptr<torch::nn
     }
     root.mappable->set_region(region);
   }
+  for (const auto& [layer, allowed] : fp8_layers) layer->allow_fp8(allowed);
   for (const auto& module : kept_fp32) registry.keep_fp32(module);
   registry.mark_mapped(model, P::name);
   return changed;

@@ -24,6 +24,7 @@
 #include <mixprec/detail/unscale.hpp>
 #include <mixprec/diagnostics.hpp>
 #include <mixprec/error.hpp>
+#include <mixprec/fp8.hpp>
 #include <mixprec/fused_adam.hpp>
 #include <mixprec/master_weights.hpp>
 #include <mixprec/policy.hpp>
@@ -77,6 +78,13 @@ class Trainer {
         options_(detail::checked_options<P>(std::move(options), optimizer)),
         scaler_(detail::make_scaler<P>(options_)),
         tensors_(*model_, optimizer) {
+    if constexpr (detail::fp8_policy<P>) {
+      MIXPREC_CHECK(!P::recipe::delayed || options_.distributed() == nullptr, "Trainer<",
+                    P::name, "> with TrainerOptions::distributed: delayed scaling's amax "
+                    "histories are per rank and are not reduced across ranks yet; use "
+                    "MixedFP8<TensorwiseScaling> for data parallel");
+      detail::Fp8Layers::find(*model_, P::name);  // throws if no layer would compute in fp8
+    }
     // All checks passed: from here on the model and optimizer change. Data parallel
     // (collective): the same model on every rank, then rank 0's values everywhere, before the
     // masters are made from them.
@@ -86,6 +94,7 @@ class Trainer {
     tensors_.take(*model_, optimizer);
     if (data_parallel_) tensors_.bind(*data_parallel_, *model_);
     detail::warn_slow_fp16_convolutions<P>(*model_, options_, tensors_.device_types());
+    if constexpr (detail::fp8_policy<P>) fp8_.enable<typename P::recipe>(*model_, P::name);
   }
 
   /// With the policy's own Options (a template only so that `{}` stays TrainerOptions).
@@ -191,9 +200,17 @@ class Trainer {
     }
     // A NaN loss can have finite gradients. On the CPU the check is a read of one float; on a
     // device it joins the gradients' inf check, without a synchronisation.
+    at::Tensor also_check;
     if (!loss_sum_.device().is_cpu() || !std::isfinite(loss_sum_.item<double>())) {
-      unscale.also_check(loss_sum_);
+      also_check = loss_sum_;
     }
+    // fp8: an inf/NaN amax skips the step (a saturating cast would have hidden an inf).
+    if (const auto amaxes = fp8_.pending_amaxes(); amaxes.defined()) {
+      also_check = also_check.defined()
+                       ? at::cat({also_check.reshape({-1}).to(amaxes.options()), amaxes})
+                       : amaxes;
+    }
+    if (also_check.defined()) unscale.also_check(also_check);
     const auto losses = std::move(loss_sum_);
     loss_sum_ = at::Tensor();
     bool stepped = false;
@@ -210,10 +227,12 @@ class Trainer {
       }
     } catch (...) {
       engine_.reset_stages();  // leave the step usable for the next one
+      fp8_.finish_step(/*stepped=*/false);
       throw;
     }
     engine_.reset_stages();
     scaler_.update_scale(/*found_inf=*/!stepped);
+    fp8_.finish_step(stepped);
     if (stepped) {
       if (masters) masters->copy_to_model();
       // The weights changed: casts cached by an enclosing autocast scope are stale now.
@@ -367,6 +386,7 @@ class Trainer {
              const UserValues& user) const {
     detail::write_state(archive, parts(), counters_, c10::IValue(scaler_.state_dict()),
                              rngs, user);
+    if constexpr (detail::fp8_policy<P>) archive.write("mixprec.fp8", c10::IValue(fp8_.state_dict()));
   }
 
   // load(path) and load(archive): a param group added since the last step is adopted first, as
@@ -389,8 +409,16 @@ class Trainer {
     auto loaded = detail::read_state(archive, source, parts());
     auto scaler = detail::make_scaler<P>(options_);
     scaler.load_state_dict(loaded.scaler_state.toGenericDict());
+    std::vector<std::pair<at::Tensor*, at::Tensor>> fp8_state;
+    if constexpr (detail::fp8_policy<P>) {
+      c10::IValue saved;
+      archive.try_read("mixprec.fp8", saved);
+      fp8_state = fp8_.check_state(saved, source);
+    }
     commit();  // every rank has read and checked all of it
     detail::apply_state(loaded, *optimizer_);
+    detail::Fp8Layers::apply_state(fp8_state);
+    fp8_.finish_step(/*stepped=*/false);  // an accumulation's amaxes belong to another run
     scaler_ = std::move(scaler);
     counters_ = loaded.counters;
     // Micro-batches accumulated before the load belong to another run: forget their losses
@@ -450,6 +478,7 @@ class Trainer {
   std::int64_t pending_ = 0;  // micro-batches accumulated since the last optimizer step
   at::Tensor loss_sum_;       // their losses: inf/NaN in any of them skips the step
   at::Tensor last_graph_;     // the last loss with its graph, until the next forward has run
+  detail::Fp8Layers fp8_;     // MixedFP8: the layers in fp8, their scaling state; else empty
 };
 
 /// `archive << trainer`, and so `torch::save(trainer, path)`: Trainer::save(archive).

@@ -41,9 +41,15 @@ class MappableBase {
   virtual const torch::nn::Module& wrapped() const = 0;
   void set_region(const Region& region) { region_ = region; }
   const Region& region() const noexcept { return region_; }
+  /// A linear layer that can compute in fp8 (mixprec::nn::Float8Linear, fp8.hpp).
+  virtual bool fp8_capable() const { return false; }
+  /// Whether a precision map leaves it to compute in fp8 under an fp8 policy (default: yes).
+  bool fp8_allowed() const noexcept { return fp8_allowed_; }
+  void allow_fp8(bool allowed) noexcept { fp8_allowed_ = allowed; }
 
  protected:
   Region region_;
+  bool fp8_allowed_ = true;
 };
 
 /// The module itself, or the one a Mappable wraps: what the module computes.

@@ -1,0 +1,473 @@
+// MixedFP8 (fp8.hpp): the fp8 casts against an encoder written here from the formats' definition,
+// the fp8 products of Float8Linear against an fp64 reference, training against MixedO2<BFloat16>,
+// delayed scaling against a hand-computed trace of amax histories and scales (an inf included),
+// bit-for-bit resume, precision maps, and the Errors. LibTorch 1.13 has no fp8: every case is
+// reported as skipped there. The parity with torchao is in test_parity.cpp.
+#include <mixprec/mixprec.hpp>
+
+#include "support.hpp"
+
+#include <torch/torch.h>
+
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <sstream>
+#include <string>
+#include <vector>
+
+namespace mp = mixprec;
+
+namespace {
+
+using test::with_fp8;
+
+// ---- fp8 formats, from their definition (OCP FP8: e4m3fn bias 7, no inf, S.1111.111 is NaN;
+// e5m2 bias 15, IEEE-like).
+double decode(std::uint8_t code, bool e5m2) {
+  const int mantissa_bits = e5m2 ? 2 : 3, bias = e5m2 ? 15 : 7;
+  const int exponent = (code & 0x7F) >> mantissa_bits;
+  const int mantissa = code & ((1 << mantissa_bits) - 1);
+  const double sign = (code & 0x80) != 0 ? -1.0 : 1.0;
+  if (!e5m2 && (code & 0x7F) == 0x7F) return std::numeric_limits<double>::quiet_NaN();
+  if (e5m2 && exponent == 31) {
+    return mantissa == 0 ? sign * std::numeric_limits<double>::infinity()
+                         : std::numeric_limits<double>::quiet_NaN();
+  }
+  const double fraction = static_cast<double>(mantissa) / (1 << mantissa_bits);
+  return exponent == 0 ? sign * fraction * std::ldexp(1.0, 1 - bias)
+                       : sign * (1.0 + fraction) * std::ldexp(1.0, exponent - bias);
+}
+
+// The nearest finite code (ties to the even code), saturating at the largest: what a saturating
+// round-to-nearest-even cast gives. NaN is not asked for here.
+std::uint8_t encode(double value, bool e5m2) {
+  int best = -1;
+  double best_error = 0.0;
+  for (int code = 0; code < 256; ++code) {
+    const double v = decode(static_cast<std::uint8_t>(code), e5m2);
+    if (!std::isfinite(v)) continue;
+    if (v == 0.0 && ((code & 0x80) != 0) != std::signbit(value)) continue;  // zero keeps the sign
+    const double error = std::abs(v - value);
+    if (best < 0 || error < best_error || (error == best_error && (code & 1) == 0 && (best & 1) == 1)) {
+      best = code;
+      best_error = error;
+    }
+  }
+  return static_cast<std::uint8_t>(best);
+}
+
+// The fp8 operand a recipe's tensorwise cast must give for `x`: scale = float(max / amax) from
+// fp64, bytes from the encoder above, each element multiplied by the scale in fp32 first.
+std::vector<std::uint8_t> expected_bytes(const at::Tensor& x, float scale, bool e5m2) {
+  const auto values = x.to(at::kFloat).contiguous();
+  const auto* p = values.data_ptr<float>();
+  std::vector<std::uint8_t> bytes;
+  for (std::int64_t i = 0; i < values.numel(); ++i) bytes.push_back(encode(p[i] * scale, e5m2));
+  return bytes;
+}
+
+std::vector<std::uint8_t> bytes(const at::Tensor& fp8) {
+  const auto b = test::bytes_of(fp8);
+  return {b.data_ptr<std::uint8_t>(), b.data_ptr<std::uint8_t>() + b.numel()};
+}
+
+// How many bytes differ (the sizes must agree).
+std::int64_t mismatches(const std::vector<std::uint8_t>& a, const std::vector<std::uint8_t>& b) {
+  if (a.size() != b.size()) return -1;
+  std::int64_t n = 0;
+  for (std::size_t i = 0; i < a.size(); ++i) n += a[i] != b[i] ? 1 : 0;
+  return n;
+}
+
+struct MlpImpl : torch::nn::Module {
+  MlpImpl(std::int64_t in, std::int64_t hidden, std::int64_t out)
+      : fc1(register_module("fc1", mp::nn::Float8Linear(in, hidden))),
+        fc2(register_module("fc2", mp::nn::Float8Linear(hidden, hidden))),
+        head(register_module("head", mp::nn::Float8Linear(hidden, out))) {}
+  at::Tensor forward(const at::Tensor& x) {
+    return head(torch::gelu(fc2(torch::gelu(fc1(x)))));
+  }
+  mp::nn::Float8Linear fc1, fc2, head;
+};
+TORCH_MODULE(Mlp);
+
+struct Data {
+  std::vector<at::Tensor> x, y;
+};
+Data make_data(int batches, std::int64_t in, std::int64_t classes, std::uint64_t seed) {
+  auto generator = torch::make_generator<at::CPUGeneratorImpl>(seed);
+  const auto teacher = torch::randn({in, classes}, generator);
+  Data data;
+  for (int i = 0; i < batches; ++i) {
+    auto x = torch::randn({32, in}, generator);
+    data.y.push_back(x.matmul(teacher).argmax(1));
+    data.x.push_back(x);
+  }
+  return data;
+}
+
+// Trains a fresh Mlp (seed 0) under P for data.x.size() steps; returns the losses.
+template <class P>
+std::vector<double> train_mlp(const Data& data, Mlp* keep = nullptr) {
+  torch::manual_seed(0);
+  Mlp model(16, 64, 4);
+  torch::optim::AdamW adam(model->parameters(), torch::optim::AdamWOptions(3e-3));
+  mp::Trainer<P> trainer(model, adam);
+  std::vector<double> losses;
+  for (std::size_t i = 0; i < data.x.size(); ++i) {
+    const auto report = trainer.step([&] {
+      return torch::cross_entropy_loss(model->forward(trainer.cast_input(data.x[i])).to(at::kFloat),
+                                       data.y[i]);
+    });
+    losses.push_back(report.loss.template item<double>());
+  }
+  if (keep != nullptr) *keep = model;
+  return losses;
+}
+
+}  // namespace
+
+TEST_CASE("fp8 casts: scales and bytes as the formats define them, saturating" *
+          doctest::skip(!mp::has_fp8)) {
+  with_fp8([](auto) {
+    auto generator = torch::make_generator<at::CPUGeneratorImpl>(3);
+    // bf16 values over many binades, with an outlier that sets the scale, and exact zeros.
+    auto x = (torch::randn({64, 48}, generator) * torch::exp(torch::randn({64, 48}, generator) * 3))
+                 .to(at::kBFloat16);
+    x[0][0] = 1000;
+    x[1] = 0;
+    for (const auto role : {mp::Fp8Role::input, mp::Fp8Role::grad_output}) {
+      const bool e5m2 = role == mp::Fp8Role::grad_output;
+      const double max = e5m2 ? 57344.0 : 448.0;
+      const double amax = x.to(at::kDouble).abs().max().template item<double>();
+      const auto scale = static_cast<float>(max / amax);
+      mp::detail::Fp8LayerState state(/*delayed=*/false, 0, 0);
+      const auto q = state.cast(role, x);
+      CHECK(q.scale.template item<float>() == scale);
+      CHECK(0 == mismatches(bytes(q.data), expected_bytes(x, scale, e5m2)));
+      // Saturation: a scale 4x too large maps everything beyond max/4 to +-max, not to inf/NaN.
+      const auto saturated = mp::detail::quantize(x, at::scalar_tensor(4 * scale), role);
+      CHECK(0 == mismatches(bytes(saturated.data), expected_bytes(x, 4 * scale, e5m2)));
+      CHECK(saturated.data.to(at::kFloat).abs().max().template item<double>() == max);
+    }
+    // An all-zero tensor: a finite scale (amax clamped to 1e-12), zeros.
+    mp::detail::Fp8LayerState state(false, 0, 0);
+    const auto zero = state.cast(mp::Fp8Role::input, torch::zeros({4, 4}, at::kBFloat16));
+    CHECK(std::isfinite(zero.scale.template item<float>()));
+    CHECK(zero.data.to(at::kFloat).abs().max().template item<float>() == 0.0f);
+  });
+}
+
+TEST_CASE("Float8Linear: Linear's initialization and state_dict keys; checkpoints load both ways" *
+          doctest::skip(!mp::has_fp8)) {
+  with_fp8([](auto) {
+    torch::manual_seed(7);
+    torch::nn::Linear plain(12, 5);
+    torch::manual_seed(7);
+    mp::nn::Float8Linear fp8(12, 5);
+    CHECK(test::identical(plain->weight, fp8->weight));
+    CHECK(test::identical(plain->bias, fp8->bias));
+    std::vector<std::string> plain_keys, fp8_keys;
+    for (const auto& item : plain->named_parameters()) plain_keys.push_back(item.key());
+    for (const auto& item : fp8->named_parameters()) fp8_keys.push_back(item.key());
+    CHECK(plain_keys == fp8_keys);
+    // Outside a Trainer<MixedFP8> it is a Linear, bit for bit.
+    const auto x = torch::randn({3, 12});
+    CHECK(test::identical(plain(x), fp8(x)));
+    CHECK_FALSE(fp8->computes_fp8());
+    // fp8 -> plain and back.
+    const auto path = test::temp_path("float8_linear.pt");
+    torch::NoGradGuard no_grad;
+    fp8->weight.mul_(2);
+    torch::save(fp8, path);
+    torch::load(plain, path);
+    CHECK(test::identical(plain->weight, fp8->weight));
+    plain->bias.add_(1);
+    torch::save(plain, path);
+    torch::load(fp8, path);
+    CHECK(test::identical(plain->bias, fp8->bias));
+  });
+}
+
+TEST_CASE("Float8Linear's fp8 products and gradients against fp64 on the same fp8 operands" *
+          doctest::skip(!mp::has_fp8)) {
+  with_fp8([](auto recipe) {
+    using P = mp::MixedFP8<decltype(recipe)>;
+    torch::manual_seed(1);
+    Mlp model(16, 32, 4);
+    torch::optim::SGD sgd(model->parameters(), torch::optim::SGDOptions(0.1));
+    mp::Trainer<P> trainer(model, sgd);
+    CHECK(model->fc1->computes_fp8());
+    CHECK(model->fc1->weight.scalar_type() == at::kBFloat16);
+    model->fc2->keep_operands();
+    at::Tensor input, output, grad_output;
+    const auto x = torch::randn({8, 16});
+    trainer.step([&] {
+      input = torch::gelu(model->fc1(trainer.cast_input(x)));
+      input.retain_grad();
+      output = model->fc2(input);
+      output.retain_grad();
+      return model->head(torch::gelu(output)).to(at::kFloat).pow(2).mean();
+    });
+    const auto& ops = model->fc2->last_operands();
+    const auto deq = [](const mp::Fp8Tensor& t) { return t.data.to(at::kDouble) / t.scale.to(at::kDouble); };
+    // The operands are the casts of what the layer saw.
+    CHECK(0 == mismatches(bytes(ops.input.data), expected_bytes(input.detach(), ops.input.scale.template item<float>(), false)));
+    CHECK(0 == mismatches(bytes(ops.grad_output.data), expected_bytes(output.grad(), ops.grad_output.scale.template item<float>(), true)));
+    // Forward: x8 @ w8^T / scales, one rounding to bf16, plus the bias in bf16.
+    const auto forward = (deq(ops.input).matmul(deq(ops.weight).t())).to(at::kBFloat16) +
+                         model->fc2->bias.detach().to(at::kBFloat16);
+    const double forward_diff = (output.detach().to(at::kDouble) - forward.to(at::kDouble)).abs().max().template item<double>();
+    const double forward_ulp = forward.to(at::kDouble).abs().max().template item<double>() / 128;
+    MESSAGE("forward: largest difference " << forward_diff << " (one bf16 ulp of the largest: "
+            << forward_ulp << ")");
+    CHECK(forward_diff <= forward_ulp);
+    // Input gradient: g8 @ w8 / scales.
+    const auto grad_input = deq(ops.grad_output).matmul(deq(ops.weight)).to(at::kBFloat16);
+    const double input_diff = (input.grad().to(at::kDouble) - grad_input.to(at::kDouble)).abs().max().template item<double>();
+    MESSAGE("input gradient: largest difference " << input_diff);
+    CHECK(input_diff <= grad_input.to(at::kDouble).abs().max().template item<double>() / 128);
+  });
+}
+
+TEST_CASE("MixedFP8 trains an MLP as MixedO2<BFloat16> does" * doctest::skip(!mp::has_fp8)) {
+  with_fp8([](auto tensorwise) { with_fp8<mp::DelayedScaling<>>([&](auto delayed_recipe) {
+    const auto data = make_data(120, 16, 4, 11);
+    const auto bf16 = train_mlp<mp::MixedO2<at::BFloat16>>(data);
+    const auto fp8 = train_mlp<mp::MixedFP8<decltype(tensorwise)>>(data);
+    const auto delayed = train_mlp<mp::MixedFP8<decltype(delayed_recipe)>>(data);
+    double worst = 0, worst_delayed = 0;
+    for (std::size_t i = 0; i < bf16.size(); ++i) {
+      worst = std::max(worst, std::abs(fp8[i] - bf16[i]));
+      worst_delayed = std::max(worst_delayed, std::abs(delayed[i] - bf16[i]));
+    }
+    const auto tail = [](const std::vector<double>& l) {
+      double s = 0;
+      for (std::size_t i = l.size() - 20; i < l.size(); ++i) s += l[i];
+      return s / 20;
+    };
+    MESSAGE("loss " << bf16.front() << " -> " << tail(bf16) << " (bf16), " << tail(fp8)
+            << " (fp8 tensorwise), " << tail(delayed) << " (fp8 delayed); largest per-step "
+            << "difference from bf16: " << worst << " tensorwise, " << worst_delayed << " delayed");
+    CHECK(tail(bf16) < 0.5 * bf16.front());
+    CHECK(std::abs(tail(fp8) - tail(bf16)) < 0.1 * tail(bf16) + 0.02);
+    CHECK(std::abs(tail(delayed) - tail(bf16)) < 0.1 * tail(bf16) + 0.02);
+  }); });
+}
+
+TEST_CASE("DelayedScaling: amax histories and scales step by step, an inf skipped" *
+          doctest::skip(!mp::has_fp8)) {
+  with_fp8<mp::DelayedScaling<3, 1>>([](auto recipe) {
+    using P = mp::MixedFP8<decltype(recipe)>;
+    torch::manual_seed(2);
+    auto layer = mp::nn::Float8Linear(torch::nn::LinearOptions(4, 2).bias(false));
+    torch::optim::SGD sgd(layer->parameters(), torch::optim::SGDOptions(0.0));  // weights fixed
+    mp::Trainer<P> trainer(layer, sgd);
+    const double weight_amax = layer->weight.to(at::kDouble).abs().max().template item<double>();
+    const auto probe = torch::full({3, 2}, 3.0);  // grad_output: 3 everywhere (the loss is a sum)
+    // History 3, margin 1: scale = max / max(history) / 2, 1 until an amax was seen.
+    const auto scale_of = [](double max, std::vector<double> history) {
+      double amax = 0;
+      for (const double a : history) amax = std::max(amax, a);
+      return amax > 0 ? static_cast<float>(max / amax / 2) : 1.0f;
+    };
+    std::vector<double> input_history{0, 0, 0}, grad_history{0, 0, 0}, weight_history{0, 0, 0};
+    const double inf = std::numeric_limits<double>::infinity();
+    for (const double amax : {2.0, 8.0, 0.5, inf, 4.0, 1.0}) {
+      auto x = torch::full({3, 4}, 0.25);
+      x[1][2] = amax;
+      const float input_scale = scale_of(448, input_history);  // what this step must use
+      layer->keep_operands();
+      const auto report = trainer.step([&] {
+        return (layer(trainer.cast_input(x)).to(at::kFloat) * probe).sum();
+      });
+      CHECK(layer->last_operands().input.scale.template item<float>() == input_scale);
+      if (std::isinf(amax)) {
+        // Saturated to 448 in the product: finite gradients, but the step is skipped.
+        CHECK(report.status == mp::StepStatus::skipped);
+      } else {
+        CHECK(report.status == mp::StepStatus::stepped);
+        const auto push = [](std::vector<double>& h, double a) {
+          h.insert(h.begin(), a);
+          h.pop_back();
+        };
+        push(input_history, amax);
+        push(weight_history, weight_amax);
+        push(grad_history, 3.0);
+      }
+      const auto& state = *layer->fp8_state();
+      const auto check_slot = [&](mp::Fp8Role role, const std::vector<double>& h, double max) {
+        const auto& slot = state.slot(role);
+        for (int i = 0; i < 3; ++i) CHECK(slot.history[i].template item<double>() == static_cast<float>(h[i]));
+        CHECK(slot.scale.template item<float>() == scale_of(max, h));
+      };
+      check_slot(mp::Fp8Role::input, input_history, 448);
+      check_slot(mp::Fp8Role::weight, weight_history, 448);
+      check_slot(mp::Fp8Role::grad_output, grad_history, 57344);
+    }
+    CHECK(trainer.stats().skipped_steps == 1);
+  });
+}
+
+TEST_CASE("MixedFP8 resumes from a checkpoint bit for bit (delayed scaling's histories too)" *
+          doctest::skip(!mp::has_fp8)) {
+  with_fp8<mp::DelayedScaling<4>>([](auto recipe) {
+    using P = mp::MixedFP8<decltype(recipe)>;
+    const auto data = make_data(10, 16, 4, 5);
+    const auto run = [&](bool resume) {
+      torch::manual_seed(0);
+      Mlp model(16, 64, 4);
+      torch::optim::AdamW adam(model->parameters(), torch::optim::AdamWOptions(3e-3));
+      mp::Trainer<P> trainer(model, adam);
+      const auto path = test::temp_path("fp8_resume.ckpt");
+      std::vector<at::Tensor> losses;
+      for (int i = 0; i < 10; ++i) {
+        if (i == 5) {
+          if (!resume) {
+            trainer.save(path);
+          } else {
+            trainer.load(path);
+          }
+        }
+        if (resume && i < 5) continue;
+        losses.push_back(trainer.step([&] {
+          return torch::cross_entropy_loss(model->forward(trainer.cast_input(data.x[i])).to(at::kFloat), data.y[i]);
+        }).loss);
+      }
+      auto state = model->fc1->fp8_state()->slot(mp::Fp8Role::input).history.clone();
+      losses.push_back(state);
+      for (const auto& m : trainer.master_weights()) losses.push_back(m);
+      return losses;
+    };
+    auto first = run(false);
+    first.erase(first.begin(), first.begin() + 5);  // the steps before the checkpoint
+    const auto resumed = run(true);
+    CHECK(test::identical(first, resumed));
+  });
+}
+
+TEST_CASE("MixedFP8 with a precision map: layers kept in bf16 or fp32" * doctest::skip(!mp::has_fp8)) {
+  with_fp8([](auto recipe) {
+    using P = mp::MixedFP8<decltype(recipe)>;
+    torch::manual_seed(0);
+    Mlp model(16, 32, 4);
+    const auto changed = mp::apply_precision_map<P>(
+        model, mp::PrecisionMap().add("head", mp::Precision::low).keep_fp32("fc1"));
+    REQUIRE(changed.size() == 2);
+    torch::optim::AdamW adam(model->parameters());
+    mp::Trainer<P> trainer(model, adam);
+    CHECK_FALSE(model->fc1->computes_fp8());
+    CHECK(model->fc1->weight.scalar_type() == at::kFloat);
+    CHECK(model->fc2->computes_fp8());
+    CHECK_FALSE(model->head->computes_fp8());
+    CHECK(model->head->weight.scalar_type() == at::kBFloat16);
+    const auto report = trainer.step([&] {
+      return model->forward(trainer.cast_input(torch::randn({4, 16}))).to(at::kFloat).pow(2).mean();
+    });
+    CHECK(report.stepped());
+  });
+  with_fp8([](auto recipe) {
+    // The Trainer's end turns fp8 off: the layers are Linear's again.
+    torch::manual_seed(0);
+    Mlp model(16, 32, 4);
+    torch::optim::AdamW adam(model->parameters());
+    {
+      mp::Trainer<mp::MixedFP8<decltype(recipe)>> trainer(model, adam);
+      CHECK(model->fc1->computes_fp8());
+    }
+    CHECK_FALSE(model->fc1->computes_fp8());
+  });
+}
+
+TEST_CASE("MixedFP8 Errors name the module and change nothing" * doctest::skip(!mp::has_fp8)) {
+  with_fp8([](auto recipe) {
+    using P = mp::MixedFP8<decltype(recipe)>;
+    // No Float8Linear: nothing would compute in fp8.
+    torch::nn::Sequential plain(torch::nn::Linear(8, 8), torch::nn::ReLU(), torch::nn::Linear(8, 2));
+    torch::optim::SGD sgd(plain->parameters(), torch::optim::SGDOptions(0.1));
+    CHECK_THROWS_WITH_AS((mp::Trainer<P>(plain, sgd)),
+                         doctest::Contains("no layer of the model computes in fp8"), mp::Error);
+    CHECK_THROWS_WITH_AS((mp::Trainer<P>(plain, sgd)), doctest::Contains("'0', '2'"), mp::Error);
+    CHECK(plain->parameters()[0].scalar_type() == at::kFloat);
+
+    // fp8 asked of a module that is no Float8Linear.
+    torch::nn::Sequential mixed(mp::nn::Float8Linear(8, 8), torch::nn::ReLU(), torch::nn::Linear(8, 2));
+    CHECK_THROWS_WITH_AS(mp::apply_precision_map<P>(mixed, mp::PrecisionMap().add("1", mp::Precision::fp8)),
+                         doctest::Contains("module '1'"), mp::Error);
+    CHECK_THROWS_WITH_AS(mp::apply_precision_map<P>(mixed, mp::PrecisionMap().add("2", mp::Precision::fp8)),
+                         doctest::Contains("declare it as mixprec::nn::Float8Linear"), mp::Error);
+    // fp8 under a policy without it.
+    CHECK_THROWS_WITH_AS(mp::apply_precision_map<mp::MixedO2<at::BFloat16>>(
+                             mixed, mp::PrecisionMap().add("0", mp::Precision::fp8)),
+                         doctest::Contains("only an fp8 policy computes"), mp::Error);
+    // Nothing changed: the map can still be applied, and the layer trains in fp8.
+    CHECK(mixed->parameters()[0].scalar_type() == at::kFloat);
+    mp::apply_precision_map<P>(mixed, mp::PrecisionMap().add("0", mp::Precision::fp8));
+    torch::optim::SGD sgd2(mixed->parameters(), torch::optim::SGDOptions(0.1));
+    mp::Trainer<P> trainer(mixed, sgd2);
+    CHECK(mixed[0]->as<mp::nn::Float8LinearImpl>()->computes_fp8());
+  });
+}
+
+TEST_CASE("advise: which Float8Linear layers fp8 holds, and the map that keeps the others bf16" *
+          doctest::skip(!mp::has_fp8)) {
+  with_fp8([](auto recipe) {
+    using P = mp::MixedFP8<decltype(recipe)>;
+    torch::manual_seed(0);
+    // tanh bounds what the later layers see: an outlier in the data reaches fc1 alone.
+    torch::nn::Sequential model(mp::nn::Float8Linear(16, 32), torch::nn::Tanh(),
+                                mp::nn::Float8Linear(32, 32), torch::nn::Tanh(),
+                                mp::nn::Float8Linear(32, 4));
+    auto generator = torch::make_generator<at::CPUGeneratorImpl>(4);
+    // Well-spread inputs: fp8 holds every layer, and the map is empty.
+    const auto clean = mp::advise(model, [&] { return model->forward(torch::randn({16, 16}, generator)).pow(2).mean(); });
+    REQUIRE(clean.fp8_layers.size() == 3);
+    for (const auto& layer : clean.fp8_layers) {
+      CAPTURE(layer.name);
+      CHECK(layer.fp8);
+      CHECK(layer.input.flushed < 1e-2);
+    }
+    CHECK(clean.fp8_precision_map().empty());
+    // One huge entry per batch (padding filled with garbage, say): the tensorwise scale maps
+    // 1e5 to 448, and a sixth of the other inputs, below 1e5 * 2^-10 / 448 = 0.22, round to 0.
+    const auto loss_fn = [&] {
+      auto x = torch::randn({16, 16}, generator);
+      x[0][0] = 1e5;
+      return model->forward(x).pow(2).mean();
+    };
+    const auto before = test::snapshot(model->parameters());
+    const auto advice = mp::advise(model, loss_fn);
+    CHECK(test::identical(before, test::snapshot(model->parameters())));  // changed nothing
+    REQUIRE(advice.fp8_layers.size() == 3);
+    const auto& fc1 = advice.fp8_layers[0];
+    CHECK(fc1.name == "0");
+    CHECK(fc1.input.amax == doctest::Approx(1e5));
+    MESSAGE("layer 0's inputs: " << 100 * fc1.input.flushed << "% round to 0, "
+            << 100 * fc1.input.subnormal << "% subnormal (clean data: "
+            << 100 * clean.fp8_layers[0].input.flushed << "% and "
+            << 100 * clean.fp8_layers[0].input.subnormal << "%)");
+    CHECK(fc1.input.flushed > 0.1);
+    CHECK_FALSE(fc1.fp8);
+    CHECK(fc1.reason.find("inputs would round to 0 in e4m3") != std::string::npos);
+    std::ostringstream text;
+    text << advice;
+    CHECK(text.str().find("keep 0 in bf16 under MixedFP8") != std::string::npos);
+    CHECK(advice.fp8_layers[1].fp8);
+    CHECK(advice.fp8_layers[2].fp8);
+    // Its map keeps that layer in bf16, and the Trainer runs the others in fp8.
+    const auto map = advice.fp8_precision_map();
+    REQUIRE(map.rules().size() == 1);
+    CHECK(map.rules()[0].pattern == "0");
+    mp::apply_precision_map<P>(model, map);
+    torch::optim::AdamW adam(model->parameters());
+    mp::Trainer<P> trainer(model, adam);
+    CHECK_FALSE(model[0]->template as<mp::nn::Float8LinearImpl>()->computes_fp8());
+    CHECK(model[2]->template as<mp::nn::Float8LinearImpl>()->computes_fp8());
+    CHECK(model[4]->template as<mp::nn::Float8LinearImpl>()->computes_fp8());
+    CHECK_THROWS_WITH_AS(mp::advise(model, loss_fn, mp::AdviseOptions().fp8_underflow_tolerance(1)),
+                         doctest::Contains("fp8_underflow_tolerance must be in [0, 1)"), mp::Error);
+  });
+}
