@@ -96,7 +96,7 @@ inline constexpr bool fp8_recipe = requires {
 /// MixedO2<BFloat16> with its Float8Linear layers in fp8 (see the top of this header).
 /// Needs LibTorch >= 2.5 (has_fp8): under 1.13 naming it fails to compile.
 template <class Recipe = TensorwiseScaling>
-struct MixedFP8 : detail::LowPrecisionPolicy<at::BFloat16> {
+struct MixedFP8 : MixedO2<at::BFloat16> {
   static_assert(has_fp8 || detail::dependent_false<Recipe>,
                 "mixprec: MixedFP8 needs LibTorch >= 2.5 (the float8 dtypes and at::_scaled_mm); "
                 "this LibTorch is older: use mixprec::MixedO2<at::BFloat16>");
@@ -104,12 +104,7 @@ struct MixedFP8 : detail::LowPrecisionPolicy<at::BFloat16> {
                 "mixprec: MixedFP8's recipe must be mixprec::TensorwiseScaling or "
                 "mixprec::DelayedScaling<History, Margin>");
   static constexpr std::string_view name = Recipe::policy_name;
-  static constexpr bool autocast = false;
-  static constexpr bool cast_model = true;
-  static constexpr bool master_weights = true;
-  static constexpr bool keep_batch_norm_fp32 = true;
-  using scaler_type = NoScaler;
-  using recipe = Recipe;
+  using recipe = Recipe;  // MixedO2<BFloat16>'s settings otherwise (its scaler: NoScaler)
 };
 
 /// The three operands of a Float8Linear, in the order of Fp8Operands.
@@ -491,11 +486,12 @@ class Fp8Layers {
   }
   ~Fp8Layers() { release(); }
 
+  using Found = std::vector<std::pair<std::string, std::shared_ptr<nn::Float8LinearImpl>>>;
+
   /// The layers of `model` that would compute in fp8; throws (naming plain Linear layers) if
   /// there are none.
-  static std::vector<std::pair<std::string, std::shared_ptr<nn::Float8LinearImpl>>> find(
-      const torch::nn::Module& model, std::string_view policy) {
-    std::vector<std::pair<std::string, std::shared_ptr<nn::Float8LinearImpl>>> found;
+  static Found find(const torch::nn::Module& model, std::string_view policy) {
+    Found found;
     std::string plain;
     auto& registry = PrecisionRegistry::instance();
     for (const auto& item : model.named_modules("", /*include_self=*/true)) {
@@ -514,9 +510,10 @@ class Fp8Layers {
     return found;
   }
 
+  /// Turns on fp8 in the layers find() returned.
   template <class Recipe>
-  void enable(const torch::nn::Module& model, std::string_view policy) {
-    for (auto& [name, module] : find(model, policy)) {
+  void enable(Found found) {
+    for (auto& [name, module] : found) {
       auto state = c10::make_intrusive<Fp8LayerState>(Recipe::delayed, Recipe::history,
                                                       Recipe::margin);
       module->set_fp8_state(state);
@@ -589,10 +586,6 @@ class Fp8Layers {
 
   static void apply_state(std::vector<std::pair<at::Tensor*, at::Tensor>>& assignments) {
     for (auto& [target, value] : assignments) *target = value.clone();
-  }
-
-  void clear_pending() {
-    for (auto& layer : layers_) layer.state->finish_step(/*stepped=*/false);
   }
 
  private:

@@ -78,12 +78,13 @@ class Trainer {
         options_(detail::checked_options<P>(std::move(options), optimizer)),
         scaler_(detail::make_scaler<P>(options_)),
         tensors_(*model_, optimizer) {
+    detail::Fp8Layers::Found fp8_layers;
     if constexpr (detail::fp8_policy<P>) {
       MIXPREC_CHECK(!P::recipe::delayed || options_.distributed() == nullptr, "Trainer<",
                     P::name, "> with TrainerOptions::distributed: delayed scaling's amax "
                     "histories are per rank and are not reduced across ranks yet; use "
                     "MixedFP8<TensorwiseScaling> for data parallel");
-      detail::Fp8Layers::find(*model_, P::name);  // throws if no layer would compute in fp8
+      fp8_layers = detail::Fp8Layers::find(*model_, P::name);  // throws if there are none
     }
     // All checks passed: from here on the model and optimizer change. Data parallel
     // (collective): the same model on every rank, then rank 0's values everywhere, before the
@@ -94,7 +95,7 @@ class Trainer {
     tensors_.take(*model_, optimizer);
     if (data_parallel_) tensors_.bind(*data_parallel_, *model_);
     detail::warn_slow_fp16_convolutions<P>(*model_, options_, tensors_.device_types());
-    if constexpr (detail::fp8_policy<P>) fp8_.enable<typename P::recipe>(*model_, P::name);
+    if constexpr (detail::fp8_policy<P>) fp8_.enable<typename P::recipe>(std::move(fp8_layers));
   }
 
   /// With the policy's own Options (a template only so that `{}` stays TrainerOptions).
