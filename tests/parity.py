@@ -6,7 +6,8 @@ MODE is fp32 (plain), bf16 (torch.autocast on the CPU) or fp16 (torch.autocast +
 GradScaler); branch_fp32 and branch_bf16 train the two-headed model of `branch()` instead, whose
 head b is used on even steps only, with AdamW (a parameter without a gradient is skipped);
 ddp_fp32 and ddp_bf16 train with DistributedDataParallel on Gloo ranks (`ddp()`), and OUTPUT is
-then a prefix: OUTPUT.rankR.txt for each rank R. INPUT is a torch::pickle_save dict from the C++ side: the initial weights
+then a prefix: OUTPUT.rankR.txt for each rank R; zero_adamw does the same with DDP and
+ZeroRedundancyOptimizer(AdamW), each step's line starting with the rank's loss. INPUT is a torch::pickle_save dict from the C++ side: the initial weights
 (param.NAME), the data (x, y) and the hyperparameters (steps, batch, lr, momentum, and for fp16
 init_scale, growth_interval). OUTPUT gets one line per step: "loss scale skipped", the loss as
 repr() of the fp32 value, the scale the step used, and 1 when the step was skipped.
@@ -74,18 +75,27 @@ def ddp_rank(rank, mode, data, prefix, store):
     torch.set_num_threads(1)
     world = int(data["world"])
     dist.init_process_group("gloo", init_method="file://" + store, rank=rank, world_size=world)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 4))
+    zero = mode == "zero_adamw"
+    middle = torch.nn.ReLU() if zero else torch.nn.BatchNorm1d(8)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), middle, torch.nn.Linear(8, 4))
     state = {k[len("param."):]: v for k, v in data.items() if k.startswith("param.")}
     state.update({k[len("buffer."):]: v for k, v in data.items() if k.startswith("buffer.")})
     model.load_state_dict(state)
     ddp = torch.nn.parallel.DistributedDataParallel(model)
-    optimizer = torch.optim.SGD(ddp.parameters(), lr=float(data["lr"]),
-                                momentum=float(data["momentum"]), foreach=False)
+    if zero:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+        optimizer = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW,
+                                            lr=float(data["lr"]),
+                                            weight_decay=float(data["weight_decay"]), foreach=False)
+    else:
+        optimizer = torch.optim.SGD(ddp.parameters(), lr=float(data["lr"]),
+                                    momentum=float(data["momentum"]), foreach=False)
     micro = int(data["micro_batches"])
     autocast = lambda: torch.autocast("cpu", dtype=torch.bfloat16, enabled=mode == "ddp_bf16")
     with open(f"{prefix}.rank{rank}.txt", "w") as out:
         for step in range(int(data["steps"])):
             optimizer.zero_grad(set_to_none=True)
+            losses = 0.0
             for j in range(micro):
                 x = data[f"x.{rank}.{step}.{j}"]
                 sync = contextlib.nullcontext() if j == micro - 1 else ddp.no_sync()
@@ -93,8 +103,10 @@ def ddp_rank(rank, mode, data, prefix, store):
                     with autocast():
                         loss = ddp(x).float().pow(2).mean()
                     (loss / micro).backward()
+                losses += loss.item() / micro
             optimizer.step()
-            write_line(out, list(model.parameters()) + list(model.buffers()))
+            first = [torch.tensor([losses], dtype=torch.float64)] if zero else []
+            write_line(out, first + list(model.parameters()) + list(model.buffers()))
         ddp.eval()
         with torch.no_grad():
             for _ in range(2):
@@ -116,7 +128,7 @@ def main(mode, input_path, output_path):
     data = torch.load(input_path, weights_only=False)
     if mode.startswith("branch"):
         return branch(mode, data, output_path)
-    if mode.startswith("ddp"):
+    if mode.startswith("ddp") or mode.startswith("zero"):
         return ddp(mode, data, output_path)
     model = build_model()
     model.load_state_dict({k[len("param."):]: v for k, v in data.items() if k.startswith("param.")})

@@ -13,6 +13,7 @@
 
 #include <mixprec/compat.hpp>
 #include <mixprec/detail/checkpoint_file.hpp>
+#include <mixprec/detail/sharded_optimizer.hpp>
 #include <mixprec/detail/step_group.hpp>
 #include <mixprec/detail/tensor_set.hpp>
 #include <mixprec/error.hpp>
@@ -27,6 +28,7 @@
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/Types.hpp>
 #include <torch/nn/module.h>
+#include <torch/optim/optimizer.h>
 
 #include <algorithm>
 #include <cstddef>
@@ -34,6 +36,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -63,6 +66,12 @@ struct DistributedOptions {
   /// Copy rank 0's buffers (BatchNorm statistics) to every rank before each forward pass, as
   /// DDP's broadcast_buffers=True does.
   TORCH_ARG(bool, broadcast_buffers) = true;
+  /// ZeRO stage 1 (DeepSpeed's stage 1, PyTorch's ZeroRedundancyOptimizer): each rank keeps the
+  /// optimizer state and the fp32 master weights of 1/world_size of the parameters, the same
+  /// slice of each gradient bucket, and steps only those; the updated parameters are then
+  /// gathered to every rank. Under MixedO2 + AdamW that is 12/world_size bytes per parameter
+  /// instead of 12. Adam, AdamW and SGD (docs/distributed.md); gradients reduce in fp32.
+  TORCH_ARG(bool, shard_optimizer_state) = false;
 };
 
 namespace detail {
@@ -114,8 +123,26 @@ class DataParallel final : public detail::StepGroup {
   /// Checks that every rank holds a model of the same structure (an Error on every rank if
   /// not), then copies rank 0's parameters and buffers to every rank. Collective.
   DataParallel(torch::nn::Module& model, DistributedOptions options)
+      : DataParallel(model, nullptr, std::move(options)) {}
+
+  /// As above; with shard_optimizer_state, first checks that `optimizer` is one whose state
+  /// can be sharded (an Error naming it otherwise).
+  DataParallel(torch::nn::Module& model, const torch::optim::Optimizer& optimizer,
+               DistributedOptions options)
+      : DataParallel(model, &optimizer, std::move(options)) {}
+
+ private:
+  DataParallel(torch::nn::Module& model, const torch::optim::Optimizer* optimizer,
+               DistributedOptions options)
       : options_(std::move(options)), state_(std::make_shared<State>()) {
     MIXPREC_CHECK(options_.process_group(), "DistributedOptions got a null process group");
+    if (options_.shard_optimizer_state()) {
+      MIXPREC_CHECK(options_.reduce_dtype() == at::kFloat, "DistributedOptions::"
+                    "shard_optimizer_state reduces gradients in fp32 (each rank keeps its slice "
+                    "of the fp32 sums): leave reduce_dtype at kFloat, got ",
+                    options_.reduce_dtype());
+      if (optimizer != nullptr) detail::check_shardable(*optimizer);
+    }
     MIXPREC_CHECK(options_.bucket_cap_mb() >= 0 && options_.first_bucket_cap_mb() >= 0,
                   "DistributedOptions: bucket sizes must be >= 0 MiB, got ",
                   options_.first_bucket_cap_mb(), " and ", options_.bucket_cap_mb());
@@ -128,6 +155,7 @@ class DataParallel final : public detail::StepGroup {
                   "DistributedOptions::reduce_dtype(kBFloat16): LibTorch ", torch_version,
                   "'s Gloo backend cannot reduce bf16; reduce in kFloat (the default) or kHalf");
     state_->group = options_.process_group();
+    state_->sharded = options_.shard_optimizer_state();
     state_->reduce_dtype = dtype;
     state_->rank = group().getRank();
     state_->world = group().getSize();
@@ -137,6 +165,7 @@ class DataParallel final : public detail::StepGroup {
     broadcast_from_rank0(model, /*parameters=*/true);
   }
 
+ public:
   ~DataParallel() override { unbind(); }
   DataParallel(const DataParallel&) = delete;
   DataParallel& operator=(const DataParallel&) = delete;
@@ -195,44 +224,294 @@ class DataParallel final : public detail::StepGroup {
                   "same parameters on every rank");
     unbind();
     auto& s = *state_;
+    if (s.sharded) {
+      // The layout is the optimizer's (shard()); a parameter it does not hold is not reduced.
+      for (const auto& p : params) {
+        const auto it = slot_of_.find(p.unsafeGetTensorImpl());
+        if (it != slot_of_.end()) hook(it->second);
+      }
+      return;
+    }
     s.slots.clear();
     s.buckets.clear();
-    const auto element = static_cast<double>(at::elementSize(options_.reduce_dtype()));
-    // Reverse order: the backward pass produces the last layers' gradients first.
-    double limit = options_.first_bucket_cap_mb() * 1024.0 * 1024.0;
-    double bytes = 0;
-    for (std::size_t k = params.size(); k-- > 0;) {
-      const double size = static_cast<double>(params[k].numel()) * element;
-      if (s.buckets.empty() || (bytes > 0 && bytes + size > limit)) {
-        if (!s.buckets.empty()) limit = options_.bucket_cap_mb() * 1024.0 * 1024.0;
-        s.buckets.emplace_back();
-        bytes = 0;
+    lay_out(params, holders);
+    for (std::size_t i = 0; i < s.slots.size(); ++i) hook(i);
+  }
+
+  /// Whether the optimizer steps this rank's shard only (DistributedOptions::shard_optimizer_state).
+  bool sharded() const noexcept override { return state_->sharded; }
+
+  /// Sharded: lays out the optimizer's tensors listed in `fresh` (model tensors, each with its
+  /// fp32 value from before the model's cast, needed where `copies` and the tensor is not
+  /// fp32) in new buckets after the existing ones, each bucket split into world_size equal
+  /// slices, and replaces each of them in the optimizer by this rank's piece of it: an fp32
+  /// copy (a master weight) where `copies` and the tensor is not fp32, a view of it otherwise;
+  /// a tensor with no element in this rank's slices leaves the optimizer. Every other tensor
+  /// the optimizer holds must be a piece already. Collective; bind() hooks the gradients next.
+  void shard(torch::optim::Optimizer& optimizer,
+             const std::vector<std::pair<at::Tensor, at::Tensor>>& fresh, bool copies) override {
+    auto& s = *state_;
+    MIXPREC_CHECK(s.sharded, "DataParallel::shard() needs DistributedOptions::shard_optimizer_state");
+    detail::check_shardable(optimizer);
+    MIXPREC_CHECK(optimizer_ == nullptr || optimizer_ == &optimizer, "DataParallel::shard(): "
+                  "the optimizer is not the one sharded before");
+    std::unordered_map<const void*, std::size_t> fresh_index;
+    std::int64_t total = 0;
+    for (std::size_t i = 0; i < fresh.size(); ++i) {
+      const auto& t = fresh[i].first;
+      fresh_index.emplace(t.unsafeGetTensorImpl(), i);
+      MIXPREC_CHECK(t.is_contiguous(), "shard_optimizer_state: a parameter of shape ", t.sizes(),
+                    " is not contiguous; make it so before building the Trainer");
+      MIXPREC_CHECK(slot_of_.count(t.unsafeGetTensorImpl()) == 0, "a param group added to the "
+                    "optimizer holds a model tensor of shape ", t.sizes(), " that it already "
+                    "trains (sharded, in an earlier group): put each tensor in one group");
+      MIXPREC_CHECK(!copies || t.scalar_type() == at::kFloat || fresh[i].second.defined(),
+                    "DataParallel::shard(): no fp32 value for a ", t.scalar_type(), " tensor");
+      total += t.numel();
+    }
+    // In the optimizer's order, grouped as it groups them (what an unsharded optimizer holds).
+    std::vector<std::vector<std::size_t>> order(optimizer.param_groups().size());
+    std::vector<std::size_t> group_of(fresh.size(), order.size());
+    for (std::size_t g = 0; g < optimizer.param_groups().size(); ++g) {
+      for (const auto& p : detail::unique_tensors(optimizer.param_groups()[g].params())) {
+        const void* id = p.unsafeGetTensorImpl();
+        if (piece_slot_.count(id) == 1) continue;
+        const auto it = fresh_index.find(id);
+        MIXPREC_CHECK(it != fresh_index.end(), "the optimizer holds a tensor of shape ",
+                      p.sizes(), " that is not a parameter of the model: build it on "
+                      "model->parameters()");
+        MIXPREC_CHECK(group_of[it->second] == order.size(), "a tensor of shape ", p.sizes(),
+                      " is in param groups ", group_of[it->second], " and ", g, " of the "
+                      "optimizer (PyTorch refuses this too): put each tensor in one group");
+        group_of[it->second] = g;
+        order[g].push_back(it->second);
       }
-      auto& bucket = s.buckets.back();
-      s.slots.push_back({params[k], holders[k], s.buckets.size() - 1, bucket.numel, false});
-      bucket.slots.push_back(s.slots.size() - 1);
-      bucket.numel += params[k].numel();
-      bytes += size;
     }
-    const auto options = at::TensorOptions(options_.reduce_dtype())
-                             .device(params.empty() ? at::Device(at::kCPU) : params.front().device());
-    for (std::size_t b = 0; b < s.buckets.size(); ++b) {
-      // The last bucket also carries, per slot, whether the rank has a gradient for it.
-      const auto extra = b + 1 == s.buckets.size() ? static_cast<std::int64_t>(s.slots.size()) : 0;
-      s.buckets[b].flat = at::zeros({s.buckets[b].numel + extra}, options);
+    MIXPREC_CHECK(all_equal(static_cast<std::int64_t>(fresh.size()), total), "rank ", rank(),
+                  ": the ranks' optimizers hold different tensors (", fresh.size(), " tensors, ",
+                  total, " elements here): build the same optimizer on every rank");
+    // All checks passed.
+    unbind();
+    optimizer_ = &optimizer;
+    groups_.resize(order.size());
+    std::vector<at::Tensor> params, holders;
+    std::vector<std::pair<std::size_t, std::size_t>> places;
+    for (std::size_t g = 0; g < order.size(); ++g) {
+      for (const auto i : order[g]) {
+        params.push_back(fresh[i].first);
+        holders.push_back(fresh[i].first);
+        places.emplace_back(g, groups_[g].size());
+        groups_[g].push_back(fresh[i].first);
+      }
     }
-    for (std::size_t i = 0; i < s.slots.size(); ++i) {
-      auto accumulator = torch::autograd::impl::grad_accumulator(s.slots[i].param);
-      hook_keys_.push_back(accumulator->add_post_hook(std::make_unique<Hook>(state_, i)));
-      accumulators_.push_back(std::move(accumulator));
+    const auto first_slot = s.slots.size();
+    const auto first_bucket = s.buckets.size();
+    lay_out(params, holders);
+    at::NoGradGuard no_grad;
+    for (auto b = first_bucket; b < s.buckets.size(); ++b) {
+      auto& bucket = s.buckets[b];
+      bucket.chunk = (bucket.numel + s.world - 1) / s.world;
+      bucket.padded = bucket.chunk * s.world;
+      const auto lo = bucket.chunk * s.rank, hi = lo + bucket.chunk;
+      for (const auto i : bucket.slots) {
+        auto& slot = s.slots[i];
+        const auto k = params.size() - 1 - (i - first_slot);  // lay_out went backwards
+        slot.group = places[k].first;
+        slot.index = places[k].second;
+        slot_of_[slot.param.unsafeGetTensorImpl()] = i;
+        const auto from = std::max(lo, slot.offset), to = std::min(hi, slot.offset + slot.param.numel());
+        if (from >= to) continue;
+        slot.piece_from = from - slot.offset;
+        const auto& value = fresh[fresh_index.at(slot.param.unsafeGetTensorImpl())].second;
+        slot.copy = copies && slot.param.scalar_type() != at::kFloat;
+        slot.piece = slot.copy ? value.detach().to(at::kFloat).reshape({-1}).narrow(0, slot.piece_from, to - from).clone()
+                               : slot.param.detach().view({-1}).narrow(0, slot.piece_from, to - from);
+        piece_slot_[slot.piece.unsafeGetTensorImpl()] = i;
+      }
+    }
+    allocate_flats(at::TensorOptions(at::kFloat).device(device()));
+    for (std::size_t g = 0; g < order.size(); ++g) {
+      std::vector<at::Tensor> pieces;
+      for (const auto& p : detail::unique_tensors(optimizer.param_groups()[g].params())) {
+        const void* id = p.unsafeGetTensorImpl();
+        if (piece_slot_.count(id) == 1) {
+          pieces.push_back(p);
+          continue;
+        }
+        const auto& piece = s.slots[slot_of_.at(id)].piece;
+        if (piece.defined()) pieces.push_back(piece);
+      }
+      optimizer.param_groups()[g].params() = std::move(pieces);
     }
   }
 
-  /// Before a backward pass: `sync` on the micro-batch after which gradients are reduced
-  /// (the last of an accumulation); before the others nothing is communicated.
-  void prepare(bool sync) override {
+  /// Sharded, after a micro-batch whose gradients did not travel: they are added into the
+  /// buckets (fp32), and the model's gradients set to none.
+  void accumulate() override {
     std::lock_guard<std::mutex> lock(state_->mutex);
     auto& s = *state_;
+    if (!s.sharded) return;
+    for (const auto& slot : s.slots) {
+      const auto& grad = slot.param.grad();
+      MIXPREC_CHECK(!grad.defined() || !grad.is_sparse(), "DataParallel reduces dense "
+                    "gradients: a tensor of shape ", slot.param.sizes(), " has a sparse one (an "
+                    "Embedding with sparse(true)); use sparse(false)");
+    }
+    at::NoGradGuard no_grad;
+    for (std::size_t i = 0; i < s.slots.size(); ++i) {
+      auto& slot = s.slots[i];
+      if (!slot.param.grad().defined()) continue;
+      s.fill(i);
+      slot.accumulated = true;
+      slot.param.mutable_grad().reset();
+    }
+  }
+
+  /// Sharded, after an optimizer step: every rank's updated pieces, rounded to the model's
+  /// dtype, into every rank's model (one all_gather per bucket, in the model's dtype where the
+  /// bucket holds one).
+  void gather_parameters() override {
+    auto& s = *state_;
+    if (!s.sharded) return;
+    at::NoGradGuard no_grad;
+    for (auto& bucket : s.buckets) {
+      auto full = gather_bucket(bucket, bucket_dtype(bucket), [](const Slot& slot) {
+        return slot.piece;
+      });
+      for (const auto i : bucket.slots) {
+        auto& slot = s.slots[i];
+        slot.param.detach().view({-1}).copy_(full.narrow(0, slot.offset, slot.param.numel()));
+      }
+    }
+  }
+
+  /// Sums the clipping norm's parts over the ranks (each holds those of its slices).
+  void sum_over_shards(double& sum_of_squares, bool& non_finite) override {
+    auto parts = at::tensor({sum_of_squares, non_finite ? 1.0 : 0.0}, at::kDouble).to(device());
+    std::vector<at::Tensor> tensors{parts};
+    detail::run_collective(rank(), "gradient norm allreduce", [&] {
+      return group().allreduce(tensors);
+    });
+    const auto sums = parts.cpu();
+    sum_of_squares = sums[0].item<double>();
+    non_finite = sums[1].item<double>() != 0.0;
+  }
+
+  std::vector<std::vector<at::Tensor>> sharded_groups() const override { return groups_; }
+
+  /// Every laid-out tensor's fp32 value (its master's where the pieces are copies), by the
+  /// optimizer's groups. Collective.
+  std::vector<std::vector<at::Tensor>> gather_values() override {
+    auto result = empty_like_groups();
+    auto& s = *state_;
+    at::NoGradGuard no_grad;
+    for (auto& bucket : s.buckets) {
+      const auto full = gather_bucket(bucket, at::kFloat, [](const Slot& slot) { return slot.piece; });
+      for (const auto i : bucket.slots) {
+        const auto& slot = s.slots[i];
+        result[slot.group][slot.index] =
+            full.narrow(0, slot.offset, slot.param.numel()).view(slot.param.sizes()).clone();
+      }
+    }
+    return result;
+  }
+
+  /// `full`, an optimizer of the user's type whose groups hold one full tensor per
+  /// sharded_groups() entry, gets every rank's state of its pieces and the param groups'
+  /// options. Collective.
+  void gather_state(torch::optim::Optimizer& full) override {
+    auto& s = *state_;
+    const auto kind = *detail::sharded_kind(full);
+    // Per slot: whether its pieces have state, its step, which fields are set (equal on every
+    // rank that holds a piece of it; 0 on the others).
+    auto meta = at::zeros({static_cast<std::int64_t>(s.slots.size()), 3}, at::kLong);
+    auto* m = meta.data_ptr<std::int64_t>();
+    for (std::size_t i = 0; i < s.slots.size(); ++i) {
+      const auto& piece = s.slots[i].piece;
+      auto* state = piece.defined() ? detail::state_of(*optimizer_, piece) : nullptr;
+      if (state == nullptr) continue;
+      m[3 * i] = 1;
+      m[3 * i + 1] = detail::state_step(*state, kind);
+      const auto fields = detail::state_fields(*state, kind);
+      for (std::size_t k = 0; k < fields.size(); ++k) {
+        if (fields[k] != nullptr && fields[k]->defined()) m[3 * i + 2] |= std::int64_t{1} << k;
+      }
+    }
+    auto combined = meta.clone();
+    for (const auto& other : all_gather(meta.to(device()))) {
+      combined = at::maximum(combined, other.cpu());
+    }
+    const auto* c = combined.data_ptr<std::int64_t>();
+    at::NoGradGuard no_grad;
+    for (std::size_t i = 0; i < s.slots.size(); ++i) {
+      if (c[3 * i] == 0) continue;
+      const auto& slot = s.slots[i];
+      detail::set_state(full, full.param_groups()[slot.group].params()[slot.index],
+                        detail::new_state(kind, c[3 * i + 1]));
+    }
+    for (std::size_t k = 0; k < detail::kShardedFields; ++k) {
+      for (auto& bucket : s.buckets) {
+        bool any = false;
+        for (const auto i : bucket.slots) any = any || ((c[3 * i + 2] >> k) & 1) != 0;
+        if (!any) continue;
+        const auto values = gather_bucket(bucket, at::kFloat, [&](const Slot& slot) {
+          auto* state = slot.piece.defined() ? detail::state_of(*optimizer_, slot.piece) : nullptr;
+          if (state == nullptr) return at::Tensor();
+          auto* field = detail::state_fields(*state, kind)[k];
+          return field != nullptr && field->defined() ? *field : at::Tensor();
+        });
+        for (const auto i : bucket.slots) {
+          if (((c[3 * i + 2] >> k) & 1) == 0) continue;
+          const auto& slot = s.slots[i];
+          const auto& target = full.param_groups()[slot.group].params()[slot.index];
+          *detail::state_fields(*detail::state_of(full, target), kind)[k] =
+              values.narrow(0, slot.offset, slot.param.numel()).view(target.sizes()).to(target.scalar_type(), false, true);
+        }
+      }
+    }
+    detail::copy_group_options(*optimizer_, full);
+  }
+
+  /// After `full` (as in gather_state) was loaded: this rank's pieces get their slices of its
+  /// tensors (the copies; the views see the model's) and of its state, the optimizer its
+  /// param groups' options.
+  void scatter_state(torch::optim::Optimizer& full) override {
+    auto& s = *state_;
+    const auto kind = *detail::sharded_kind(full);
+    at::NoGradGuard no_grad;
+    auto& states = optimizer_->state();
+    states.clear();
+    for (auto& slot : s.slots) {
+      if (!slot.piece.defined()) continue;
+      const auto& source = full.param_groups()[slot.group].params()[slot.index];
+      const auto slice = [&](const at::Tensor& t) {
+        return t.reshape({-1}).narrow(0, slot.piece_from, slot.piece.numel());
+      };
+      if (slot.copy) slot.piece.copy_(slice(source));
+      auto* loaded = detail::state_of(full, source);
+      if (loaded == nullptr) continue;
+      auto state = detail::new_state(kind, detail::state_step(*loaded, kind));
+      const auto from = detail::state_fields(*loaded, kind);
+      const auto to = detail::state_fields(*state, kind);
+      for (std::size_t k = 0; k < detail::kShardedFields; ++k) {
+        if (from[k] != nullptr && from[k]->defined()) {
+          *to[k] = slice(*from[k]).to(slot.piece.scalar_type(), false, true);
+        }
+      }
+      detail::set_state(*optimizer_, slot.piece, std::move(state));
+    }
+    detail::copy_group_options(full, *optimizer_);
+  }
+
+  /// Before a backward pass: `sync` on the micro-batch after which gradients are reduced
+  /// (the last of an accumulation); before the others nothing is communicated. `first`: the
+  /// first micro-batch of an optimizer step (sharded: the accumulation starts over).
+  void prepare(bool sync, bool first = true) override {
+    std::lock_guard<std::mutex> lock(state_->mutex);
+    auto& s = *state_;
+    if (first) {
+      for (auto& slot : s.slots) slot.accumulated = false;
+    }
     s.active = sync && !s.slots.empty();
     s.next = 0;
     s.twice = false;
@@ -266,7 +545,7 @@ class DataParallel final : public detail::StepGroup {
       }
     }
     auto& last = s.buckets.back();
-    auto used = last.flat.narrow(0, last.numel, static_cast<std::int64_t>(s.slots.size()));
+    auto used = last.flat.narrow(0, last.padded, static_cast<std::int64_t>(s.slots.size()));
     std::vector<float> local_used(s.slots.size());
     for (std::size_t i = 0; i < s.slots.size(); ++i) {
       local_used[i] = s.has_gradient(i) ? 1.0F : 0.0F;
@@ -292,8 +571,23 @@ class DataParallel final : public detail::StepGroup {
     }
     at::NoGradGuard no_grad;
     for (std::size_t i = 0; i < s.slots.size(); ++i) {
-      if (!all_local && global_used[i] == 0.0F) continue;
       auto& slot = s.slots[i];
+      slot.accumulated = false;
+      if (s.sharded) {
+        // This rank's slice of the average is its piece's gradient; a tensor no rank had a
+        // gradient for has none, and the optimizer skips it.
+        if (!slot.piece.defined()) continue;
+        if (!all_local && global_used[i] == 0.0F) {
+          slot.piece.mutable_grad().reset();
+          continue;
+        }
+        auto value = s.view(i).narrow(0, slot.piece_from, slot.piece.numel());
+        slot.piece.mutable_grad() = slot.piece.scalar_type() == value.scalar_type()
+                                        ? value
+                                        : value.to(slot.piece.scalar_type());
+        continue;
+      }
+      if (!all_local && global_used[i] == 0.0F) continue;
       const auto value = s.view(i).view(slot.holder.sizes());
       auto& grad = slot.holder.mutable_grad();
       if (grad.defined()) {
@@ -407,10 +701,22 @@ class DataParallel final : public detail::StepGroup {
     std::size_t bucket;
     std::int64_t offset;
     bool ready;
+    // Sharded: this rank's piece of the tensor (undefined: none), the optimizer's tensor in its
+    // place; where it starts in the flattened tensor; whether it is an fp32 copy (a master) or
+    // a view of the model's tensor; its place in the optimizer's groups; whether earlier
+    // micro-batches of the step left their sum in the bucket.
+    at::Tensor piece = {};
+    std::int64_t piece_from = 0;
+    bool copy = false;
+    std::size_t group = 0;
+    std::size_t index = 0;
+    bool accumulated = false;
   };
   struct Bucket {
     std::vector<std::size_t> slots;
     std::int64_t numel = 0;
+    std::int64_t padded = 0;  // numel; sharded: rounded up to world * chunk
+    std::int64_t chunk = 0;   // sharded: each rank's slice
     at::Tensor flat;
     std::size_t pending = 0;
     c10::intrusive_ptr<c10d::Work> work;
@@ -427,6 +733,7 @@ class DataParallel final : public detail::StepGroup {
     bool active = false;
     bool twice = false;  // a gradient arrived again after its slot was copied
     bool overlap = true;
+    bool sharded = false;
     int rank = 0;
     int world = 1;
 
@@ -436,7 +743,7 @@ class DataParallel final : public detail::StepGroup {
     }
     bool has_gradient(std::size_t i) const {
       const auto& slot = slots[i];
-      return slot.param.grad().defined() ||
+      return slot.param.grad().defined() || slot.accumulated ||
              (!slot.holder.is_same(slot.param) && slot.holder.grad().defined());
     }
     // The slot's gradient (the holder's accumulated one plus the parameter's) into its bucket.
@@ -448,6 +755,14 @@ class DataParallel final : public detail::StepGroup {
                     "DataParallel reduces dense gradients: a tensor of shape ", slot.param.sizes(),
                     " has a sparse one (an Embedding with sparse(true)); use sparse(false)");
       auto target = view(i);
+      if (sharded) {  // the micro-batches before this one are in the bucket already
+        if (grad.defined()) {
+          slot.accumulated ? target.add_(grad.reshape({-1})) : target.copy_(grad.reshape({-1}));
+        } else if (!slot.accumulated) {
+          target.zero_();
+        }
+        return;
+      }
       if (!grad.defined() && !held.defined()) {
         target.zero_();
         return;
@@ -496,6 +811,83 @@ class DataParallel final : public detail::StepGroup {
 
   ProcessGroup& group() { return *options_.process_group(); }
 
+  // Slots for `params` (their `holders` receive the averages when not sharded), in new buckets
+  // after the existing ones; reverse order: the backward pass produces the last layers'
+  // gradients first.
+  void lay_out(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& holders) {
+    auto& s = *state_;
+    const auto element = static_cast<double>(at::elementSize(options_.reduce_dtype()));
+    double limit = (s.buckets.empty() ? options_.first_bucket_cap_mb() : options_.bucket_cap_mb()) *
+                   1024.0 * 1024.0;
+    double bytes = 0;
+    const auto first_bucket = s.buckets.size();
+    for (std::size_t k = params.size(); k-- > 0;) {
+      const double size = static_cast<double>(params[k].numel()) * element;
+      if (s.buckets.size() == first_bucket || (bytes > 0 && bytes + size > limit)) {
+        if (s.buckets.size() > first_bucket) limit = options_.bucket_cap_mb() * 1024.0 * 1024.0;
+        s.buckets.emplace_back();
+        bytes = 0;
+      }
+      auto& bucket = s.buckets.back();
+      s.slots.push_back({params[k], holders[k], s.buckets.size() - 1, bucket.numel, false});
+      bucket.slots.push_back(s.slots.size() - 1);
+      bucket.numel += params[k].numel();
+      bytes += size;
+    }
+    const auto options = at::TensorOptions(options_.reduce_dtype())
+                             .device(params.empty() ? device() : params.front().device());
+    for (auto b = first_bucket; b < s.buckets.size(); ++b) s.buckets[b].padded = s.buckets[b].numel;
+    allocate_flats(options);
+  }
+
+  // The buckets' flat tensors; the last one also carries, per slot, whether the rank has a
+  // gradient for it.
+  void allocate_flats(const at::TensorOptions& options) {
+    auto& s = *state_;
+    for (std::size_t b = 0; b < s.buckets.size(); ++b) {
+      const auto extra = b + 1 == s.buckets.size() ? static_cast<std::int64_t>(s.slots.size()) : 0;
+      s.buckets[b].flat = at::zeros({s.buckets[b].padded + extra}, options);
+    }
+  }
+
+  void hook(std::size_t i) {
+    auto accumulator = torch::autograd::impl::grad_accumulator(state_->slots[i].param);
+    hook_keys_.push_back(accumulator->add_post_hook(std::make_unique<Hook>(state_, i)));
+    accumulators_.push_back(std::move(accumulator));
+  }
+
+  // The model's dtype where every tensor of the bucket has it, else fp32.
+  c10::ScalarType bucket_dtype(const Bucket& bucket) const {
+    const auto dtype = state_->slots[bucket.slots.front()].param.scalar_type();
+    for (const auto i : bucket.slots) {
+      if (state_->slots[i].param.scalar_type() != dtype) return at::kFloat;
+    }
+    return dtype;
+  }
+
+  // The bucket's flat values (padded) from every rank's slice, in `dtype`: each rank fills its
+  // slice with `part(slot)` of its pieces (undefined: zeros).
+  template <class Part>
+  at::Tensor gather_bucket(const Bucket& bucket, c10::ScalarType dtype, Part&& part) {
+    auto& s = *state_;
+    auto mine = at::zeros({bucket.chunk}, at::TensorOptions(dtype).device(device()));
+    for (const auto i : bucket.slots) {
+      const auto& slot = s.slots[i];
+      if (!slot.piece.defined()) continue;
+      const auto value = part(slot);
+      if (!value.defined()) continue;
+      mine.narrow(0, slot.offset + slot.piece_from - bucket.chunk * s.rank, slot.piece.numel())
+          .copy_(value.reshape({-1}));
+    }
+    return at::cat(all_gather(mine));
+  }
+
+  std::vector<std::vector<at::Tensor>> empty_like_groups() const {
+    std::vector<std::vector<at::Tensor>> result(groups_.size());
+    for (std::size_t g = 0; g < groups_.size(); ++g) result[g].resize(groups_[g].size());
+    return result;
+  }
+
   void unbind() {
     for (std::size_t i = 0; i < accumulators_.size(); ++i) {
       accumulators_[i]->del_post_hook(hook_keys_[i]);
@@ -524,14 +916,21 @@ class DataParallel final : public detail::StepGroup {
   at::Device device_ = at::Device(at::kCPU);
   std::vector<decltype(torch::autograd::impl::grad_accumulator(at::Tensor()))> accumulators_;
   std::vector<std::uintptr_t> hook_keys_;
+  // Sharded: the optimizer, the model tensors laid out by its groups, the slot of each model
+  // tensor and of each piece.
+  torch::optim::Optimizer* optimizer_ = nullptr;
+  std::vector<std::vector<at::Tensor>> groups_;
+  std::unordered_map<const void*, std::size_t> slot_of_;
+  std::unordered_map<const void*, std::size_t> piece_slot_;
 };
 
 namespace detail {
 template <>
 struct StepGroupFactory<DistributedOptions> {
   static std::unique_ptr<StepGroup> make(torch::nn::Module& model,
+                                         const torch::optim::Optimizer& optimizer,
                                          const DistributedOptions& options) {
-    return std::make_unique<DataParallel>(model, options);
+    return std::make_unique<DataParallel>(model, optimizer, options);
   }
 };
 }  // namespace detail

@@ -22,6 +22,7 @@
 #endif
 
 #include <chrono>
+#include <csignal>
 #include <cstdint>
 #include <cstdlib>
 #include <string>
@@ -107,14 +108,29 @@ inline c10::intrusive_ptr<c10d::Store> launch_store(
       "/worker/attempt_" + std::to_string(env.restart_count) + "/mixprec/", store);
 }
 
+namespace detail {
+// A write to the socket of a peer that died raises SIGPIPE, whose default action ends the
+// process before Gloo can report the failure. Python ignores SIGPIPE from its start, so Gloo's
+// errors reach PyTorch users as exceptions; the same here, unless the program chose a handler.
+inline void ignore_default_sigpipe() {
+  struct sigaction current {};
+  if (::sigaction(SIGPIPE, nullptr, &current) == 0 && current.sa_handler == SIG_DFL) {
+    std::signal(SIGPIPE, SIG_IGN);
+  }
+}
+}  // namespace detail
+
 #ifdef USE_C10D_GLOO
-/// A Gloo process group over `store` (CPU tensors). Collectives that wait longer than
+/// A Gloo process group over `store` (CPU tensors). A peer lost mid-collective is an Error in
+/// the others, not their death by SIGPIPE: SIGPIPE is ignored if its action was the default,
+/// as in Python. Collectives that wait longer than
 /// `timeout` (a dead or stalled peer) throw. Loopback addresses use the loopback device;
 /// otherwise GLOO_SOCKET_IFNAME, or the interface of this host's name, as PyTorch does.
 inline c10::intrusive_ptr<ProcessGroup> gloo_group(
     const c10::intrusive_ptr<c10d::Store>& store, int rank, int world_size,
     std::chrono::milliseconds timeout = std::chrono::minutes(5),
     const std::string& address = "127.0.0.1") {
+  detail::ignore_default_sigpipe();
   try {
     auto options = c10d::ProcessGroupGloo::Options::create(timeout);
     if (const char* interface = std::getenv("GLOO_SOCKET_IFNAME")) {

@@ -82,6 +82,12 @@ struct UnscalePlan {
   /// done, before the step-or-skip decision reads it: data-parallel training MAX-reduces it
   /// across ranks, so that every rank steps or skips alike.
   TORCH_ARG(std::function<void(at::Tensor&)>, agree) = nullptr;
+  /// With clipping, called with the local sum of squares and inf/NaN flag before the norm is
+  /// taken: sharded data parallel sums them over the ranks, each of which holds a slice.
+  TORCH_ARG(std::function<void(double&, bool&)>, sum_over_ranks) = nullptr;
+  /// Sharded data parallel, the device of the collectives: the checks, the sums and the
+  /// agreement run even where this rank holds no gradient (its slices got none this step).
+  TORCH_ARG(std::optional<at::Device>, collective_on) = std::nullopt;
 };
 
 /// What StepEngine::step_fused did.
@@ -249,8 +255,8 @@ class ScalerCore {
     check_unscale_call(options);
     auto pairs = collect_grads(optimizer, options.grads_from());
     std::optional<double> norm;
-    if (!pairs.empty()) {
-      auto found_inf = new_found_inf(pairs);
+    if (!pairs.empty() || options.collective_on()) {
+      auto found_inf = new_found_inf(pairs, options);
       try {
         norm = run_passes(pairs, options, found_inf, entry.found_host);
       } catch (...) {
@@ -282,9 +288,9 @@ class ScalerCore {
                   "step: call it instead of unscale_() and step(), once per iteration");
     check_unscale_call(options);
     auto pairs = collect_grads(optimizer, options.grads_from());
-    MIXPREC_CHECK(!pairs.empty(), "step_fused() found no gradients in this optimizer: call "
-                  "backward() on scaler.scale(loss) first");
-    auto found_inf = new_found_inf(pairs);
+    MIXPREC_CHECK(!pairs.empty() || options.collective_on(), "step_fused() found no gradients "
+                  "in this optimizer: call backward() on scaler.scale(loss) first");
+    auto found_inf = new_found_inf(pairs, options);
     FusedStepResult result;
     at::Tensor grad_scale;
     const bool masters = !options.grads_from().empty();
@@ -299,7 +305,7 @@ class ScalerCore {
       double clip = 1.0;
       if (options.max_grad_norm()) {
         // One read pass: the norm and finiteness (the loss's included).
-        const auto stats = detail::grad_stats(pairs, options.also_check());
+        const auto stats = summed_stats(pairs, options);
         entry.found_host = stats.non_finite;
         if (stats.non_finite) found_inf.fill_(1.0);
         result.grad_norm = stats.non_finite ? std::numeric_limits<double>::infinity()
@@ -314,7 +320,7 @@ class ScalerCore {
       }
       if (clip < 1.0) {
         grad_scale = at::full({}, static_cast<float>(scale / clip),
-                              at::TensorOptions(at::kFloat).device(pairs.front().to.device()));
+                              at::TensorOptions(at::kFloat).device(found_inf.device()));
       } else if (scaling_) {
         grad_scale = scale_;
       }
@@ -530,7 +536,7 @@ class ScalerCore {
     }
     // Fused clipping: the norm of the scaled gradients and their finiteness in one read pass,
     // then one write pass with (1/scale) * clip coefficient, as PyTorch's clip_grad_norm_ does.
-    const auto stats = detail::grad_stats(pairs, options.also_check());
+    const auto stats = summed_stats(pairs, options);
     const double inv = inv_scale();
     const double norm = std::sqrt(stats.sum_of_squares) * inv;
     if (stats.non_finite) {
@@ -545,6 +551,19 @@ class ScalerCore {
     return norm;
   }
 
+  // The norm's parts of `pairs`, summed over the ranks where the plan says so.
+  static GradStats summed_stats(const std::vector<GradPair>& pairs, const UnscalePlan& options) {
+    auto stats = pairs.empty() ? GradStats{} : detail::grad_stats(pairs, options.also_check());
+    if (pairs.empty() && options.also_check().defined()) {
+      stats.non_finite = !at::isfinite(options.also_check()).all().item<bool>();
+    }
+    if (options.sum_over_ranks()) {
+      options.sum_over_ranks()(stats.sum_of_squares, stats.non_finite);
+      stats.non_finite |= !(stats.sum_of_squares <= std::numeric_limits<double>::max());
+    }
+    return stats;
+  }
+
   // inv_scale = float(1 / double(scale)), as PyTorch computes it.
   double inv_scale() const {
     return scaling_ ? static_cast<double>(static_cast<float>(1.0 / static_cast<double>(host_scale_)))
@@ -557,8 +576,10 @@ class ScalerCore {
 
   // A 0-dim fp32 zero on the scale's device (the gradients' without scaling): the previous
   // iteration's flag, zeroed, once nothing else holds it (no allocation per step).
-  at::Tensor new_found_inf(const std::vector<GradPair>& pairs) {
-    const auto device = scaling_ ? scale_.device() : pairs.front().to.device();
+  at::Tensor new_found_inf(const std::vector<GradPair>& pairs, const UnscalePlan& options) {
+    const auto device = scaling_         ? scale_.device()
+                        : !pairs.empty() ? pairs.front().to.device()
+                                         : *options.collective_on();
     if (spare_found_.defined() && spare_found_.device() == device &&
         spare_found_.use_count() == 1) {
       if (!device.is_cpu()) return spare_found_.zero_();

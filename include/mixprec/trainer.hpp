@@ -90,9 +90,10 @@ class Trainer {
     // (collective): the same model on every rank, then rank 0's values everywhere, before the
     // masters are made from them.
     if (const auto* distributed = options_.distributed()) {
-      data_parallel_ = options_.settings().make_step_group(*model_, *distributed);
+      data_parallel_ = options_.settings().make_step_group(*model_, optimizer, *distributed);
     }
-    tensors_.take(*model_, optimizer);
+    tensors_.take(*model_, optimizer,
+                  data_parallel_ && data_parallel_->sharded() ? data_parallel_.get() : nullptr);
     if (data_parallel_) tensors_.bind(*data_parallel_, *model_);
     detail::warn_slow_fp16_convolutions<P>(*model_, options_, tensors_.device_types());
     if constexpr (detail::fp8_policy<P>) fp8_.enable<typename P::recipe>(std::move(fp8_layers));
@@ -166,12 +167,17 @@ class Trainer {
     const bool reduce = data_parallel_ && pending_ + 1 == n;
     if (data_parallel_) {
       if (reduce && tensors_.trainable_changed()) tensors_.bind(*data_parallel_, *model_);
-      data_parallel_->prepare(reduce);
+      data_parallel_->prepare(reduce, /*first=*/pending_ == 0);
     }
     engine_.scale(to_backprop).backward();
     // The averages land in the holders' gradients: under MixedO2 the fp32 masters', which
-    // then hold the accumulated micro-batches too.
-    if (reduce) data_parallel_->finish();
+    // then hold the accumulated micro-batches too. Sharded: in the pieces' gradients; the
+    // micro-batches before the last add up in the buckets.
+    if (reduce) {
+      data_parallel_->finish();
+    } else if (data_parallel_) {
+      data_parallel_->accumulate();
+    }
     // Micro-batch gradients sum in the fp32 master gradients, not in the Low model gradients.
     auto* const masters = tensors_.masters();
     if (masters && n > 1 && !reduce) masters->accumulate_grads();
@@ -198,6 +204,12 @@ class Trainer {
     }
     if (data_parallel_) {
       unscale.agree([this](at::Tensor& found) { data_parallel_->agree_step(found, calls_); });
+      if (tensors_.sharded()) {
+        unscale.collective_on(data_parallel_->device());
+        unscale.sum_over_ranks([this](double& sum_of_squares, bool& non_finite) {
+          data_parallel_->sum_over_shards(sum_of_squares, non_finite);
+        });
+      }
     }
     // A NaN loss can have finite gradients. On the CPU the check is a read of one float; on a
     // device it joins the gradients' inf check, without a synchronisation.
@@ -236,6 +248,9 @@ class Trainer {
     fp8_.finish_step(stepped);
     if (stepped) {
       if (masters) masters->copy_to_model();
+      // Sharded: each rank stepped its slices; every rank's model gets all of them. A peer lost
+      // here leaves this rank's slices stepped and its model not: restore from a checkpoint.
+      if (tensors_.sharded()) data_parallel_->gather_parameters();
       // The weights changed: casts cached by an enclosing autocast scope are stale now.
       at::autocast::clear_cache();
     }
@@ -285,7 +300,8 @@ class Trainer {
   const TrainerOptions& options() const noexcept { return options_; }
 
   /// The fp32 master weights (MixedO2), one per model tensor the optimizer holds, in the
-  /// optimizer's order (a param group added later at the end); empty for the other policies.
+  /// optimizer's order (a param group added later at the end); empty for the other policies,
+  /// and where the optimizer state is sharded (each rank holds slices: fp32_state_dict()).
   std::vector<at::Tensor> master_weights() const {
     const auto* masters = tensors_.masters();
     return masters ? masters->masters() : std::vector<at::Tensor>{};
@@ -308,11 +324,15 @@ class Trainer {
   /// the others return once it has, with its Error if it failed.
   /// `user` goes into the same file (the epoch, the position in the data: anything an IValue
   /// holds), and load() returns it.
+  /// Sharded (DistributedOptions::shard_optimizer_state): the same file as unsharded data
+  /// parallel writes, whatever the world size: every rank gathers the optimizer state and the
+  /// masters of all ranks first (for the time of the save, the memory of an unsharded run).
   void save(const std::string& path, const UserValues& user = {}) const {
     check_saveable(user);
     const auto rngs = detail::gather_rngs(data_parallel_.get());
+    const auto view = consolidated(/*values=*/true, /*state=*/true);
     detail::write_on_rank0(data_parallel_.get(), path, [&] {
-      detail::write_state_file(path, [&](auto& archive) { write(archive, rngs, user); });
+      detail::write_state_file(path, [&](auto& archive) { write(archive, rngs, user, view); });
     });
   }
 
@@ -323,7 +343,8 @@ class Trainer {
   /// nothing, but for a param group added since the last step: that is adopted first, as the
   /// next step() would adopt it. Data parallel: every rank loads the file (rank 0's path on a
   /// shared file system); if any rank cannot, every rank throws and none changes. Returns the
-  /// user values saved with it (none: empty).
+  /// user values saved with it (none: empty). Sharded: any checkpoint of the same model and
+  /// optimizer, written at any world size, sharded or not; each rank keeps its slices of it.
   UserValues load(const std::string& path) {
     return load_with(path, [&](auto& commit) {
       auto archive = detail::read_state_file(path);
@@ -338,8 +359,9 @@ class Trainer {
   void save(torch::serialize::OutputArchive& archive, const UserValues& user = {}) const {
     check_saveable(user);
     const auto rngs = detail::gather_rngs(data_parallel_.get());
+    const auto view = consolidated(/*values=*/true, /*state=*/true);
     try {
-      write(archive, rngs, user);
+      write(archive, rngs, user, view);
     } catch (const Error&) {
       throw;
     } catch (const std::exception& e) {
@@ -357,23 +379,37 @@ class Trainer {
   /// The fp32 weights of the model by state_dict name: the masters under MixedO2 (not their
   /// rounding in the model), the parameters cast to fp32 otherwise, and the buffers (floating
   /// ones in fp32). What an fp32 model for inference or another framework takes.
+  /// Sharded: gathered from every rank's masters; collective (every rank calls it).
   torch::OrderedDict<std::string, at::Tensor> fp32_state_dict() const {
-    return detail::fp32_state_dict(*model_, tensors_.masters());
+    const auto view = consolidated(/*values=*/true, /*state=*/false);
+    return detail::fp32_state_dict(*model_, masters_of(view));
   }
 
   /// Writes fp32_state_dict() to `path` atomically: WeightsFormat::libtorch as Module::save
   /// writes a model, so that `torch::load(fp32_model, path)` reads it into a model of the same
   /// architecture built in fp32; WeightsFormat::pickle as a tuple of (name, tensor) pairs, which
   /// Python reads with `model.load_state_dict(dict(torch.load(path)))`.
+  /// Sharded: collective, as fp32_state_dict().
   void save_fp32(const std::string& path, WeightsFormat format = WeightsFormat::libtorch) const {
     check_not_busy("save_fp32");
-    detail::save_fp32(path, format, *model_, tensors_.masters());
+    const auto view = consolidated(/*values=*/true, /*state=*/false);
+    detail::save_fp32(path, format, *model_, masters_of(view));
   }
 
  private:
-  detail::CheckpointParts parts() const {
-    return {P::name, *model_, *optimizer_, tensors_.masters(), data_parallel_.get(),
-            options_.fused_optimizer()};
+  // Sharded: the optimizer and masters of an unsharded trainer (detail::consolidate); else none.
+  std::optional<detail::ConsolidatedState> consolidated(bool values, bool state) const {
+    if (!tensors_.sharded()) return std::nullopt;
+    return detail::consolidate(*data_parallel_, *optimizer_, P::master_weights, values, state);
+  }
+
+  const MasterWeights* masters_of(const std::optional<detail::ConsolidatedState>& view) const {
+    return view ? view->masters_or_null() : tensors_.masters();
+  }
+
+  detail::CheckpointParts parts(const std::optional<detail::ConsolidatedState>& view) const {
+    return {P::name, *model_, view ? *view->optimizer : *optimizer_, masters_of(view),
+            data_parallel_.get(), options_.fused_optimizer()};
   }
 
   void check_saveable(const UserValues& user) const {
@@ -384,8 +420,9 @@ class Trainer {
   }
 
   void write(torch::serialize::OutputArchive& archive, const detail::RankRngs& rngs,
-             const UserValues& user) const {
-    detail::write_state(archive, parts(), counters_, c10::IValue(scaler_.state_dict()),
+             const UserValues& user,
+             const std::optional<detail::ConsolidatedState>& view) const {
+    detail::write_state(archive, parts(view), counters_, c10::IValue(scaler_.state_dict()),
                              rngs, user);
     if constexpr (detail::fp8_policy<P>) archive.write("mixprec.fp8", c10::IValue(fp8_.state_dict()));
   }
@@ -407,7 +444,8 @@ class Trainer {
   template <class Commit>
   UserValues load_checked(torch::serialize::InputArchive& archive, const std::string& source,
                           Commit& commit) {
-    auto loaded = detail::read_state(archive, source, parts());
+    auto view = consolidated(/*values=*/false, /*state=*/false);
+    auto loaded = detail::read_state(archive, source, parts(view));
     auto scaler = detail::make_scaler<P>(options_);
     scaler.load_state_dict(loaded.scaler_state.toGenericDict());
     std::vector<std::pair<at::Tensor*, at::Tensor>> fp8_state;
@@ -417,7 +455,12 @@ class Trainer {
       fp8_state = fp8_.check_state(saved, source);
     }
     commit();  // every rank has read and checked all of it
-    detail::apply_state(loaded, *optimizer_);
+    if (view) {  // sharded: read into the full view, then each rank takes its slices
+      detail::apply_state(loaded, *view->optimizer);
+      data_parallel_->scatter_state(*view->optimizer);
+    } else {
+      detail::apply_state(loaded, *optimizer_);
+    }
     detail::Fp8Layers::apply_state(fp8_state);
     fp8_.finish_step(/*stepped=*/false);  // an accumulation's amaxes belong to another run
     scaler_ = std::move(scaler);

@@ -75,6 +75,7 @@ struct TrainerSettings {
   bool fused_optimizer = false;
   std::shared_ptr<const DistributedOptions> distributed;  // null: one process
   MakeStepGroup make_step_group = nullptr;                 // set with `distributed`
+  bool shard_optimizer_state = false;                      // distributed's, known before c10d
   bool find_non_finite_op = false;
   GradientStatsOptions gradient_stats;
   std::function<void(const std::string&)> on_warning;
@@ -161,6 +162,7 @@ class BasicTrainerOptions {
   /// compiles without c10d's headers (a template only for that reason).
   template <std::same_as<DistributedOptions> D>
   BasicTrainerOptions& distributed(D value) {
+    settings_.shard_optimizer_state = value.shard_optimizer_state();
     settings_.distributed = std::make_shared<const D>(std::move(value));
     settings_.make_step_group = &detail::StepGroupFactory<D>::make;
     return *this;

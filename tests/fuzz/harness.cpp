@@ -6,6 +6,7 @@
 // non-finite result of finite input, aborts: libFuzzer reports it as a crash and keeps the input.
 #include "harness.hpp"
 #include "../scaled_policy.hpp"
+#include "../../examples/encoder/safetensors.hpp"
 
 #include <mixprec/detail/checkpoint_file.hpp>
 #include <mixprec/mixprec.hpp>
@@ -527,6 +528,42 @@ int fuzz_ops_mask(const std::uint8_t* data, std::size_t size) {
          << vector.scalar_type() << vector.sizes() << " with mask "
          << (mask.defined() ? mask.sizes() : at::IntArrayRef{});
     violation(what.str());
+  }
+  return 0;
+}
+
+// ---------------------------------------------------------------------------------------------
+// The encoder example's safetensors reader: any bytes give tensors whose sizes fit the file, or
+// a mixprec::Error; never another exception, a crash or a read out of bounds (ASan).
+
+void fuzz_safetensors_init() {
+  if (const auto dir = seed_dir()) {
+    const auto file = [](const std::string& header, std::size_t data) {
+      std::string bytes(8, '\0');
+      const std::uint64_t n = header.size();
+      std::memcpy(bytes.data(), &n, 8);
+      return bytes + header + std::string(data, '\x3f');
+    };
+    const auto save = [&](const std::string& name, const std::string& bytes) {
+      write_file((*dir / name).string(), bytes.data(), bytes.size());
+    };
+    save("two.safetensors", file(R"({"__metadata__":{"format":"pt"},"a":{"dtype":"F32","shape":[2,2],)"
+                                 R"("data_offsets":[0,16]},"b":{"dtype":"I64","shape":[1],"data_offsets":[16,24]}})",
+                                 24));
+    save("bf16.safetensors", file(R"({"w":{"dtype":"BF16","shape":[3],"data_offsets":[0,6]}})", 6));
+    save("empty.safetensors", file(R"({"e":{"dtype":"F16","shape":[0,4],"data_offsets":[0,0]}})", 0));
+  }
+}
+
+int fuzz_safetensors(const std::uint8_t* data, std::size_t size) {
+  try {
+    const auto tensors = encoder::parse_safetensors(data, size, "fuzz");
+    std::size_t bytes = 0;
+    for (const auto& [name, t] : tensors) bytes += static_cast<std::size_t>(t.nbytes());
+    if (bytes > size) violation("parse_safetensors made more tensor bytes than the input holds");
+  } catch (const mp::Error&) {
+  } catch (const std::exception& e) {
+    violation(std::string("parse_safetensors threw a non-mixprec exception: ") + e.what());
   }
   return 0;
 }

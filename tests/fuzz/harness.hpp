@@ -10,3 +10,5 @@ void fuzz_scaler_load_init();
 int fuzz_scaler_load(const std::uint8_t* data, std::size_t size);
 void fuzz_ops_mask_init();
 int fuzz_ops_mask(const std::uint8_t* data, std::size_t size);
+void fuzz_safetensors_init();
+int fuzz_safetensors(const std::uint8_t* data, std::size_t size);

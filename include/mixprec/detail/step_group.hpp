@@ -9,11 +9,15 @@
 
 #include <cstdint>
 #include <memory>
+#include <utility>
 #include <vector>
 
 namespace torch::nn {
 class Module;
 }  // namespace torch::nn
+namespace torch::optim {
+class Optimizer;
+}  // namespace torch::optim
 
 namespace mixprec {
 
@@ -39,8 +43,9 @@ class StepGroup {
   /// Reduce the gradients of `params` into `holders[i].grad()` from now on. Collective.
   virtual void bind(const std::vector<at::Tensor>& params,
                     const std::vector<at::Tensor>& holders) = 0;
-  /// Before a backward pass; `sync`: reduce the gradients during it.
-  virtual void prepare(bool sync) = 0;
+  /// Before a backward pass; `sync`: reduce the gradients during it; `first`: the first
+  /// micro-batch of an optimizer step.
+  virtual void prepare(bool sync, bool first) = 0;
   /// After the backward pass of a prepare(true): the averages are in the holders' gradients.
   virtual void finish() = 0;
   /// Every rank steps or skips alike, and every rank is at the same step() call.
@@ -51,6 +56,34 @@ class StepGroup {
   virtual std::vector<at::Tensor> all_gather(const at::Tensor& value) = 0;
   /// Rank 0's buffers (and, with `parameters`, its parameters) on every rank.
   virtual void broadcast_from_rank0(torch::nn::Module& model, bool parameters) = 0;
+
+  // Sharded optimizer state (DistributedOptions::shard_optimizer_state); the defaults are
+  // those of a group that does not shard.
+
+  /// Whether the optimizer steps this rank's shard only.
+  virtual bool sharded() const noexcept { return false; }
+  /// Lays out the optimizer's tensors that `fresh` lists ((model tensor, its fp32 value before
+  /// the cast: needed where `copies` and the tensor is not fp32)) and puts this rank's pieces
+  /// of them in their place in the optimizer. Collective.
+  virtual void shard(torch::optim::Optimizer&, const std::vector<std::pair<at::Tensor, at::Tensor>>&,
+                     bool /*copies*/) {}
+  /// After a micro-batch whose gradients did not travel: they join the step's accumulation.
+  virtual void accumulate() {}
+  /// After an optimizer step: every rank's updated pieces into every rank's model. Collective.
+  virtual void gather_parameters() {}
+  /// The clipping norm's parts summed over the ranks' shards. Collective.
+  virtual void sum_over_shards(double& /*sum_of_squares*/, bool& /*non_finite*/) {}
+  /// The model tensors laid out, by the optimizer's param group, as an unsharded optimizer
+  /// would hold them.
+  virtual std::vector<std::vector<at::Tensor>> sharded_groups() const { return {}; }
+  /// Every laid-out tensor's full fp32 value, as sharded_groups() lists them. Collective.
+  virtual std::vector<std::vector<at::Tensor>> gather_values() { return {}; }
+  /// `full` (an optimizer like the user's over full tensors, one per sharded_groups() entry)
+  /// gets every rank's optimizer state and the param groups' options. Collective.
+  virtual void gather_state(torch::optim::Optimizer& /*full*/) {}
+  /// The inverse, after `full` was loaded: this rank's pieces get their slices of `full`'s
+  /// tensors (where they are copies) and state, the optimizer `full`'s options.
+  virtual void scatter_state(torch::optim::Optimizer& /*full*/) {}
 };
 
 /// Makes the group a Trainer trains over; distributed.hpp defines it for DistributedOptions,
@@ -59,6 +92,7 @@ template <class Options>
 struct StepGroupFactory;
 
 using MakeStepGroup = std::unique_ptr<StepGroup> (*)(torch::nn::Module& model,
+                                                     const torch::optim::Optimizer& optimizer,
                                                      const DistributedOptions& options);
 
 }  // namespace detail

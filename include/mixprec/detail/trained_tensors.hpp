@@ -62,7 +62,15 @@ class TrainedTensors {
 
   /// Casts the model as P says, makes the masters from its values (MixedO2) and lists each
   /// tensor once in the optimizer. Data parallel: after rank 0's values reached every rank.
-  void take(torch::nn::Module& model, torch::optim::Optimizer& optimizer) {
+  /// `shards`: a group that shards the optimizer state puts this rank's pieces (masters, under
+  /// MixedO2) in the optimizer instead.
+  void take(torch::nn::Module& model, torch::optim::Optimizer& optimizer,
+            StepGroup* shards = nullptr) {
+    if (shards != nullptr) {
+      shards_ = shards;
+      take_sharded(model, optimizer, unique_tensors(optimizer_tensors(optimizer)), true);
+      return;
+    }
     if constexpr (P::cast_model) {
       std::vector<at::Tensor> fp32_values;
       if constexpr (P::master_weights) {
@@ -88,6 +96,22 @@ class TrainedTensors {
   void adopt(torch::nn::Module& model, torch::optim::Optimizer& optimizer) {
     check_optimizer_constants<P>(optimizer);  // a late group's eps, too
     const auto params = unique_tensors(model.parameters());
+    if (shards_ != nullptr) {
+      // The model tensors among the optimizer's (the others are pieces, or an Error of shard()).
+      const auto ids = identities(params);
+      std::vector<at::Tensor> fresh;
+      for (const auto& p : unique_tensors(optimizer_tensors(optimizer))) {
+        if (ids.count(p.unsafeGetTensorImpl()) == 1) fresh.push_back(p);
+      }
+      check_fp32(fresh);
+      auto claim = ModelClaim::acquire(params, P::name, claim_.get());
+      auto device_types = autocast_device_types(params);
+      claim_ = std::move(claim);
+      device_types_ = std::move(device_types);
+      take_sharded(model, optimizer, fresh, false);
+      params_ = params;
+      return;
+    }
     if (masters_) {
       masters_->check_bindable(params, optimizer);
     } else {
@@ -95,12 +119,7 @@ class TrainedTensors {
     }
     const auto fresh = masters_ ? masters_->unbound(optimizer)
                                 : unique_tensors(optimizer_tensors(optimizer));
-    for (const auto& p : fresh) {
-      const auto dtype = p.scalar_type();
-      MIXPREC_CHECK(dtype == at::kFloat || (P::cast_model && dtype == P::low_dtype), "the "
-                    "optimizer holds a ", dtype, " tensor of shape ", p.sizes(), ", but Trainer<",
-                    P::name, "> trains fp32 tensors and casts them itself: register it in fp32");
-    }
+    check_fp32(fresh);
     if (masters_) check_dense_gradients(model, fresh, P::name);
     auto claim = ModelClaim::acquire(params, P::name, claim_.get());
     auto device_types = autocast_device_types(params);
@@ -118,6 +137,9 @@ class TrainedTensors {
     params_ = params;
     group_sizes_ = group_sizes(optimizer);
   }
+
+  /// Whether the optimizer holds this rank's pieces (sharded data parallel).
+  bool sharded() const noexcept { return shards_ != nullptr; }
 
   /// The model's parameters, each tensor once.
   const std::vector<at::Tensor>& params() const noexcept { return params_; }
@@ -224,6 +246,34 @@ class TrainedTensors {
   }
 
  private:
+  void check_fp32(const std::vector<at::Tensor>& fresh) const {
+    for (const auto& p : fresh) {
+      const auto dtype = p.scalar_type();
+      MIXPREC_CHECK(dtype == at::kFloat || (P::cast_model && dtype == P::low_dtype), "the "
+                    "optimizer holds a ", dtype, " tensor of shape ", p.sizes(), ", but Trainer<",
+                    P::name, "> trains fp32 tensors and casts them itself: register it in fp32");
+    }
+  }
+
+  // Sharded: casts the model (`whole`) or `fresh` (the optimizer's model tensors not yet
+  // sharded) as P says, and hands `fresh` to the group with their fp32 values, from which the
+  // pieces that are masters are made (a detached tensor keeps the fp32 storage that the cast's
+  // set_data replaces: no copy of the model).
+  void take_sharded(torch::nn::Module& model, torch::optim::Optimizer& optimizer,
+                    const std::vector<at::Tensor>& fresh, bool whole) {
+    std::vector<std::pair<at::Tensor, at::Tensor>> pairs;
+    for (const auto& p : fresh) {
+      pairs.emplace_back(p, P::master_weights ? p.detach() : at::Tensor());
+    }
+    if constexpr (P::cast_model) {
+      cast_model(model, P::low_dtype, P::keep_batch_norm_fp32, whole ? nullptr : &fresh);
+    }
+    dedupe_param_groups(optimizer);
+    shards_->shard(optimizer, pairs, P::master_weights);
+    group_sizes_ = group_sizes(optimizer);
+  }
+
+  StepGroup* shards_ = nullptr;              // sharded data parallel: the group
   std::shared_ptr<ModelClaim> claim_;        // no other Trainer may train the model meanwhile
   std::vector<at::Tensor> params_;           // model.parameters(), each tensor once
   std::vector<std::size_t> group_sizes_;     // the optimizer's groups when params_ was made

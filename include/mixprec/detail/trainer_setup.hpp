@@ -4,6 +4,7 @@
 
 #include <mixprec/capabilities.hpp>
 #include <mixprec/detail/model_cast.hpp>
+#include <mixprec/detail/sharded_optimizer.hpp>
 #include <mixprec/error.hpp>
 #include <mixprec/fused_adam.hpp>
 #include <mixprec/master_weights.hpp>
@@ -142,6 +143,20 @@ template <class P>
 TrainerOptions checked_options(TrainerOptions options, const torch::optim::Optimizer& optimizer) {
   check_options(options);
   check_fused<P>(options, optimizer);
+  if (options.settings().shard_optimizer_state) {
+    check_shardable(optimizer);
+    for (const auto& group : optimizer.param_groups()) {
+      for (const auto& p : group.params()) {
+        MIXPREC_CHECK(p.is_contiguous(), "DistributedOptions::shard_optimizer_state: a parameter "
+                      "of shape ", p.sizes(), " and strides ", p.strides(), " is not contiguous "
+                      "(the ranks' slices are ranges of its elements in memory order); make it "
+                      "contiguous before building the Trainer");
+      }
+    }
+    MIXPREC_CHECK(options.gradient_stats().every() == 0, "TrainerOptions::gradient_stats with "
+                  "DistributedOptions::shard_optimizer_state: each rank holds the averaged "
+                  "gradients of its slice only; turn one of them off");
+  }
   return options;
 }
 

@@ -6,6 +6,7 @@
 #include <mixprec/detail/atomic_file.hpp>
 #include <mixprec/detail/checkpoint_file.hpp>
 #include <mixprec/detail/rng_states.hpp>
+#include <mixprec/detail/sharded_optimizer.hpp>
 #include <mixprec/detail/step_group.hpp>
 #include <mixprec/error.hpp>
 #include <mixprec/master_weights.hpp>
@@ -118,6 +119,40 @@ struct CheckpointParts {
   StepGroup* data_parallel;   // null: one process
   bool fused_optimizer;
 };
+
+/// Sharded data parallel: the optimizer (and masters) an unsharded Trainer would hold, over full
+/// tensors, so that a checkpoint is the same whatever the world size or sharding: written from
+/// it, read into it and then scattered to the ranks' pieces.
+struct ConsolidatedState {
+  std::unique_ptr<torch::optim::Optimizer> optimizer;
+  std::optional<MasterWeights> masters;
+  const MasterWeights* masters_or_null() const { return masters ? &*masters : nullptr; }
+};
+
+/// The consolidated view of a sharded `group` training `optimizer`: with masters (MixedO2)
+/// made from every rank's pieces where `values` (else of undefined value, for a load to fill),
+/// and every rank's optimizer state where `state`. Collective when either is true.
+inline ConsolidatedState consolidate(StepGroup& group, const torch::optim::Optimizer& optimizer,
+                                     bool master_weights, bool values, bool state) {
+  ConsolidatedState view;
+  const auto groups = group.sharded_groups();
+  view.optimizer = optimizer_like(optimizer, groups);
+  if (master_weights) {
+    const auto gathered = values ? group.gather_values() : std::vector<std::vector<at::Tensor>>{};
+    std::vector<at::Tensor> params, fp32_values;
+    for (std::size_t g = 0; g < groups.size(); ++g) {
+      for (std::size_t j = 0; j < groups[g].size(); ++j) {
+        params.push_back(groups[g][j]);
+        fp32_values.push_back(values ? gathered[g][j]
+                                     : at::empty(groups[g][j].sizes(),
+                                                 groups[g][j].options().dtype(at::kFloat)));
+      }
+    }
+    view.masters.emplace(params, fp32_values, *view.optimizer);
+  }
+  if (state) group.gather_state(*view.optimizer);
+  return view;
+}
 
 inline void check_user_values(const UserValues& user) {
   for (const auto& [key, value] : user) {

