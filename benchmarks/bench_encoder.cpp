@@ -12,6 +12,7 @@
 
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -139,6 +140,7 @@ int main(int argc, char** argv) {
   };
   std::vector<Row> rows{{"FullPrecision", "fp32", "fp32", false},
                         {"MixedO1<BFloat16>", "bf16", "bf16", false},
+                        {"MixedO1<BFloat16>; Python's softmax in fp32 too", "bf16", "bf16-fp32-softmax", false},
                         {"MixedO2<BFloat16>", "bf16-o2", "", false}};
   // The smoke run (ctest) checks that the program works: two rows, one Python process.
   if (smoke) rows = {{"FullPrecision", "fp32", "fp32", false}, {"MixedO2<BFloat16>", "bf16-o2", "", false}};
@@ -151,48 +153,77 @@ int main(int argc, char** argv) {
     rows.push_back({"MixedO1<Half> + GradScaler", "fp16", "fp16", false});
     rows.push_back({"MixedO2<Half> + GradScaler", "fp16-o2", "", false});
   }
+  // Repetitions: each a process per side, the two sides in alternating order; the ratios to
+  // Python are paired per repetition.
+  const int reps = smoke ? 1 : 3;
   std::ostringstream out;
   out << "## bench_encoder: fine-tuning the pretrained encoder per policy\n\n"
       << "all-MiniLM-L6-v2 (22.7M parameters) + mean pooling + Linear(384, 8), AdamW (lr 1e-4, "
       << "weight decay 0.01), clipping at 1, dropout 0.1, batch " << batch << " x " << tokens
-      << " tokens (random ids, no padding), " << threads << " threads; each row a process of its "
-      << "own, the median of " << steps - 1 << " steps after the first. *Python*: transformers' "
-      << "BertModel (eager attention) with the same head, data and recipe (torch.autocast, "
-      << "GradScaler(\"cpu\")); *speed-up* is FullPrecision's step time over the row's; *vs Python* "
-      << "is Python's step time over mixprec's for the same recipe (above 1: mixprec faster).\n\n"
+      << " tokens (random ids, no padding), " << threads << " threads. A run is a process of its "
+      << "own that reports the median of its " << steps - 1 << " steps after the first; each row "
+      << "is " << reps << " runs per side, mixprec's and Python's in alternating order: medians, "
+      << "and for *vs Python* (Python's step time over mixprec's, above 1: mixprec faster) the "
+      << "median and interquartile range of the ratios paired per repetition. *Python*: "
+      << "transformers' BertModel (eager attention) with the same head, data and recipe "
+      << "(torch.autocast, GradScaler(\"cpu\")); *speed-up* is FullPrecision's step time over the "
+      << "row's. Peak RSS: the largest of the runs.\n\n"
       << "| policy | step ms | speed-up ratio | peak RSS MiB | Python step ms | vs Python ratio | "
-      << "Python peak RSS MiB |\n|---|---:|---:|---:|---:|---:|---:|\n";
+      << "vs Python IQR | Python peak RSS MiB |\n|---|---:|---:|---:|---:|---:|---:|---:|\n";
   double fp32_ms = 0;
   bool ok = true;
   for (const auto& row : rows) {
-    const auto m = cpp(row.policy, row.fused, data, steps, threads);
-    if (!m) {
-      std::cerr << "bench_encoder: " << row.name << " failed\n";
-      ok = false;
-      continue;
+    const bool paired = have_python && !row.python_mode.empty();
+    std::vector<double> ours, theirs;
+    double peak = 0, python_peak = 0;
+    for (int r = 0; r < reps && ok; ++r) {
+      const auto run_ours = [&] {
+        const auto m = cpp(row.policy, row.fused, data, steps, threads);
+        if (!m) return false;
+        ours.push_back(m->ms);
+        peak = std::max(peak, m->peak_mib);
+        return true;
+      };
+      const auto run_theirs = [&] {
+        const auto p = py(row.python_mode, row.fused, data, steps, threads);
+        if (!p) return false;
+        theirs.push_back(p->ms);
+        python_peak = std::max(python_peak, p->peak_mib);
+        return true;
+      };
+      const bool done = !paired ? run_ours()
+                        : r % 2 == 0 ? run_ours() && run_theirs()
+                                     : run_theirs() && run_ours();
+      if (!done) {
+        std::cerr << "bench_encoder: " << row.name << " failed\n";
+        ok = false;
+      }
     }
-    if (row.policy == "fp32" && !row.fused) fp32_ms = m->ms;
-    std::optional<Measure> p;
-    if (have_python && !row.python_mode.empty()) p = py(row.python_mode, row.fused, data, steps, threads);
-    out << "| " << row.name << " | " << bench::fixed(m->ms, 1) << " | "
-        << bench::fixed(fp32_ms / m->ms, 2) << " | " << bench::fixed(m->peak_mib, 0) << " | ";
-    if (p) {
-      out << bench::fixed(p->ms, 1) << " | " << bench::fixed(p->ms / m->ms, 2) << " | "
-          << bench::fixed(p->peak_mib, 0) << " |\n";
+    if (!ok) break;
+    const double ms = bench::median(ours);
+    if (row.policy == "fp32" && !row.fused) fp32_ms = ms;
+    out << "| " << row.name << " | " << bench::fixed(ms, 1) << " | "
+        << bench::fixed(fp32_ms / ms, 2) << " | " << bench::fixed(peak, 0) << " | ";
+    if (paired) {
+      const auto ratio = bench::paired_ratio(theirs, ours);
+      out << bench::fixed(bench::median(theirs), 1) << " | " << bench::fixed(ratio.median, 2)
+          << " | " << bench::iqr(ratio, 2) << " | " << bench::fixed(python_peak, 0) << " |\n";
     } else {
-      out << "| | |\n";
+      out << "| | | |\n";
     }
   }
 
   // The largest batch of 128 tokens whose run stays within the budget (2 steps: the first
-  // allocates AdamW's state), batches growing by half.
+  // allocates AdamW's state): batches growing by half, then refined.
   const double budget = smoke ? 1e9 : 3072;
   const std::vector<std::int64_t> sizes =
       smoke ? std::vector<std::int64_t>{2, 4}
             : std::vector<std::int64_t>{16, 24, 32, 48, 64, 96, 128, 192, 256, 384};
+  const std::int64_t step = smoke ? 1 : 8;
   out << "\n### The largest batch within " << bench::fixed(budget, 0) << " MiB of peak RSS ("
-      << tokens << " tokens, batches " << sizes.front() << ", " << sizes[1] << ", ... growing by "
-      << "half)\n\n| recipe | largest batch | its peak RSS MiB | ratio to FullPrecision |\n"
+      << tokens << " tokens; batches " << sizes.front() << ", " << sizes[1] << ", ... growing by "
+      << "half, then by " << step << " from the largest that fits to the first that does not; "
+      << "each batch a process of 2 steps, the first allocating AdamW's state)\n\n| recipe | largest batch | its peak RSS MiB | ratio to FullPrecision |\n"
       << "|---|---:|---:|---:|\n";
   struct Budgeted {
     std::string name, policy;
@@ -208,15 +239,26 @@ int main(int argc, char** argv) {
   }
   std::int64_t fp32_batch = 0;
   for (const auto& b : budgeted) {
-    std::int64_t largest = 0;
+    std::int64_t largest = 0, too_large = 0;
     double largest_peak = 0;
-    for (const auto size : sizes) {
+    const auto fits = [&](std::int64_t size) {
       const auto path = (dir / ("budget_" + std::to_string(size) + ".pt")).string();
       if (!std::filesystem::exists(path)) write_batch(path, size, tokens);
       const auto m = b.python ? py(b.policy, false, path, 2, threads) : cpp(b.policy, false, path, 2, threads);
-      if (!m || m->peak_mib > budget) break;
+      if (!m || m->peak_mib > budget) return false;
       largest = size;
       largest_peak = m->peak_mib;
+      return true;
+    };
+    for (const auto size : sizes) {
+      if (!fits(size)) {
+        too_large = size;
+        break;
+      }
+    }
+    // Then by `step` between the largest batch that fits and the first that does not.
+    for (auto size = largest + step; too_large > 0 && size < too_large; size += step) {
+      if (!fits(size)) break;
     }
     if (b.name == "mixprec FullPrecision") fp32_batch = largest;
     out << "| " << b.name << " | " << largest << " | " << bench::fixed(largest_peak, 0) << " | "

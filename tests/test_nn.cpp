@@ -1,4 +1,5 @@
-// mixprec::nn::Conv2d: torch::nn::Conv2d's parameters and forward, bit for bit, and with
+// mixprec::nn::Linear: torch::nn::Linear whose forward is F.linear's. mixprec::nn::Conv2d:
+// torch::nn::Conv2d's parameters and forward, bit for bit, and with
 // fp32_weight_grad its fp16 weight gradient computed in fp32: checked against an fp64 reference
 // and against LibTorch's own fp16 gradient, under MixedO2/PureHalf (fp16 tensors) and MixedO1
 // (autocast); the Trainer's warning on a CPU whose fp16 weight gradients are slow. Then
@@ -84,6 +85,46 @@ TEST_CASE("nn::Conv2d is torch::nn::Conv2d: same initialisation, state_dict keys
   ours->fp32_weight_grad(true);
   const auto o2 = run(ours, x, probe);
   CHECK(test::identical({p.output, p.weight}, {o2.output, o2.weight}));
+}
+
+TEST_CASE("nn::Linear is torch::nn::Linear with F.linear's forward: a row's output does not "
+          "depend on the input's rank, under autocast too") {
+  torch::manual_seed(5);
+  torch::nn::Linear plain(torch::nn::LinearOptions(6, 5));
+  torch::manual_seed(5);
+  mp::nn::Linear ours(6, 5);
+  CHECK(test::identical({plain->weight, plain->bias}, {ours->weight, ours->bias}));
+  std::vector<std::string> a, b;
+  for (const auto& item : plain->named_parameters()) a.push_back(item.key());
+  for (const auto& item : ours->named_parameters()) b.push_back(item.key());
+  CHECK(a == b);
+  CHECK(ours->as<torch::nn::LinearImpl>() != nullptr);
+  const auto x = torch::randn({3, 4, 6});
+  // 2-D and fp32: the same addmm as torch::nn::Linear.
+  CHECK(at::equal(ours(x[0]), plain(x[0])));
+  // Rows of a 3-D batch give what the same rows give as a 2-D batch (torch::nn::Linear adds
+  // its bias in a second op there), in fp32 and under autocast bf16, values and gradients.
+  for (const bool autocast : {false, true}) {
+    INFO("autocast bf16: ", autocast);
+    mp::AutocastGuard guard(c10::DeviceType::CPU, at::kBFloat16, autocast);
+    const auto leaf3 = x.clone().requires_grad_();
+    const auto leaf2 = x.reshape({12, 6}).clone().requires_grad_();
+    const auto probe = torch::randn({12, 5});
+    ours->zero_grad();
+    const auto y3 = ours(leaf3);
+    (y3.reshape({12, 5}).to(at::kFloat) * probe).sum().backward();
+    const auto w3 = ours->weight.grad().clone(), b3 = ours->bias.grad().clone();
+    ours->zero_grad();
+    const auto y2 = ours(leaf2);
+    (y2.to(at::kFloat) * probe).sum().backward();
+    CHECK(y3.scalar_type() == (autocast ? at::kBFloat16 : at::kFloat));
+    CHECK(at::equal(y3.reshape({12, 5}), y2));
+    CHECK(at::equal(leaf3.grad().reshape({12, 6}), leaf2.grad()));
+    CHECK(at::allclose(w3, ours->weight.grad(), 1e-6, 1e-6));
+    CHECK(at::allclose(b3, ours->bias.grad(), 1e-6, 1e-6));
+    // And what F.linear computes: the bias added inside the product, one rounding.
+    CHECK(at::equal(y3, at::linear(x, ours->weight, ours->bias)));
+  }
 }
 
 TEST_CASE("nn::Conv2d with fp32 weight gradients: fp16 forward and input gradient as LibTorch's, "

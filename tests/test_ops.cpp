@@ -864,6 +864,25 @@ TEST_CASE("bad input is a mixprec::Error that says what is wrong and how to fix 
   }
 }
 
+TEST_CASE("masked_softmax with a mask that keeps everything is softmax, values and gradients") {
+  // The node skips the fill then (a batch without padding): nothing else may change.
+  for (const auto dtype : {at::kFloat, at::kDouble, at::kBFloat16, at::kHalf}) {
+    INFO(std::string(c10::toString(dtype)));
+    const auto x = at::randn({3, 5}).to(dtype).requires_grad_();
+    const auto all = at::ones({3, 5}, at::kBool);
+    const auto y = mixprec::ops::masked_softmax(x, all);
+    // The reference computes where the op does: in fp32 for bf16 and fp16.
+    const auto compute = dtype == at::kDouble ? at::kDouble : at::kFloat;
+    const auto x_ref = x.detach().to(compute).requires_grad_();
+    const auto y_ref = at::softmax(x_ref, -1).to(y.scalar_type());
+    CHECK(at::equal(y, y_ref));
+    const auto g = at::randn({3, 5}).to(y.scalar_type());
+    y.backward(g);
+    y_ref.backward(g);
+    CHECK(at::equal(x.grad(), x_ref.grad().to(dtype)));
+  }
+}
+
 TEST_CASE("masked_softmax backward: inf or NaN arriving at masked outputs changes nothing") {
   const auto keep = torch::tensor({true, true, false, false});
   auto v = torch::tensor({1.0F, 2.0F, 3.0F, 4.0F}, torch::requires_grad());
@@ -874,4 +893,21 @@ TEST_CASE("masked_softmax backward: inf or NaN arriving at masked outputs change
   at::where(keep, mixprec::ops::masked_log_softmax(v, keep), 0).sum().backward();
   CHECK(at::isfinite(via_softmax).all().item<bool>());
   CHECK(via_softmax.allclose(v.grad(), 1e-6, 1e-6));
+  // The careful path (a non-finite gradient somewhere) and the fast one (finite everywhere)
+  // give the same gradient, bit for bit, in every dtype and with a uniform (empty) row.
+  const auto rows = torch::tensor({true, true, false, false, false, false, false, false}).view({2, 4});
+  for (const auto dtype : {at::kFloat, at::kDouble, at::kBFloat16, at::kHalf}) {
+    for (const bool uniform : {false, true}) {
+      INFO(std::string(c10::toString(dtype)), " memory_efficient ", uniform);
+      const auto x = at::randn({2, 4}).to(dtype).requires_grad_();
+      const auto y = mixprec::ops::masked_softmax(x, rows, -1, uniform);
+      const auto g = at::randn({2, 4}).to(y.scalar_type());
+      const auto fast = torch::autograd::grad({y}, {x}, {g.masked_fill(rows.logical_not(), 0)},
+                                              /*retain_graph=*/true)[0];
+      const auto careful = torch::autograd::grad({y}, {x}, {g.masked_fill(rows.logical_not(), inf)})[0];
+      CHECK(at::isfinite(careful).all().item<bool>());
+      CHECK(at::equal(fast, careful));
+      CHECK(at::equal(fast.masked_select(rows.logical_not()), at::zeros({6}, dtype)));
+    }
+  }
 }

@@ -4,7 +4,10 @@ of its own so that its peak RSS is its own.
 
     python encoder_step.py MODE MODEL_DIR DATA STEPS THREADS [fused]
 
-MODE: fp32, bf16 (torch.autocast) or fp16 (autocast + GradScaler("cpu")). DATA: the C++ side's
+MODE: fp32, bf16 (torch.autocast), fp16 (autocast + GradScaler("cpu")), or bf16-fp32-softmax:
+torch.autocast with the attention's softmax computed and returned in fp32, then cast to bf16 (as
+mixprec's MixedO1 computes ops::masked_softmax, and as CUDA's autocast lists softmax; the CPU's
+autocast leaves it in bf16). DATA: the C++ side's
 torch::pickle_save dict of ids, mask, labels. Prints "<median step ms> <peak RSS MiB>": the
 median of the steps after the first (which allocates the optimizer state).
 """
@@ -18,6 +21,20 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
 from transformers import BertModel
+from transformers.models.bert import modeling_bert
+
+
+def fp32_softmax_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
+                           **kwargs):
+    """transformers' eager attention with the softmax in fp32, its result cast to the values'
+    dtype."""
+    scaling = query.size(-1) ** -0.5 if scaling is None else scaling
+    weights = torch.matmul(query, key.transpose(2, 3)) * scaling
+    if attention_mask is not None:
+        weights = weights + attention_mask
+    weights = torch.softmax(weights, dim=-1, dtype=torch.float32).to(value.dtype)
+    weights = torch.nn.functional.dropout(weights, p=dropout, training=module.training)
+    return torch.matmul(weights, value).transpose(1, 2).contiguous(), weights
 
 
 class Classifier(torch.nn.Module):
@@ -38,7 +55,9 @@ def main(mode, model_dir, data_path, steps, threads, *flags):
     model = Classifier(model_dir, 8).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01,
                                   fused="fused" in flags, foreach=False if "fused" not in flags else None)
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(mode)
+    if mode == "bf16-fp32-softmax":
+        modeling_bert.eager_attention_forward = fp32_softmax_attention  # "eager" looks it up per call
+    dtype = {"bf16": torch.bfloat16, "bf16-fp32-softmax": torch.bfloat16, "fp16": torch.float16}.get(mode)
     scaler = torch.amp.GradScaler("cpu") if mode == "fp16" else None
     times = []
     for _ in range(int(steps)):

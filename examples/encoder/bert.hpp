@@ -81,7 +81,7 @@ struct BertConfig {
 // Linear + dropout + LayerNorm(x + residual): BertSelfOutput and BertOutput.
 struct BertResidualImpl : torch::nn::Module {
   BertResidualImpl(std::int64_t in, const BertConfig& c)
-      : dense(register_module("dense", torch::nn::Linear(in, c.hidden_size))),
+      : dense(register_module("dense", mixprec::nn::Linear(in, c.hidden_size))),
         LayerNorm(register_module(
             "LayerNorm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.hidden_size})
                                                   .eps(c.layer_norm_eps)))),
@@ -89,7 +89,7 @@ struct BertResidualImpl : torch::nn::Module {
   at::Tensor forward(const at::Tensor& x, const at::Tensor& residual) {
     return LayerNorm(dropout(dense(x)) + residual);
   }
-  torch::nn::Linear dense;
+  mixprec::nn::Linear dense;
   torch::nn::LayerNorm LayerNorm;  // the checkpoint's name
   torch::nn::Dropout dropout;
 };
@@ -98,9 +98,9 @@ TORCH_MODULE(BertResidual);
 struct BertSelfAttentionImpl : torch::nn::Module {
   explicit BertSelfAttentionImpl(const BertConfig& c)
       : heads(c.num_attention_heads),
-        query(register_module("query", torch::nn::Linear(c.hidden_size, c.hidden_size))),
-        key(register_module("key", torch::nn::Linear(c.hidden_size, c.hidden_size))),
-        value(register_module("value", torch::nn::Linear(c.hidden_size, c.hidden_size))),
+        query(register_module("query", mixprec::nn::Linear(c.hidden_size, c.hidden_size))),
+        key(register_module("key", mixprec::nn::Linear(c.hidden_size, c.hidden_size))),
+        value(register_module("value", mixprec::nn::Linear(c.hidden_size, c.hidden_size))),
         dropout(register_module("dropout", torch::nn::Dropout(c.attention_probs_dropout_prob))) {}
 
   /// x [batch, tokens, hidden]; keep [batch, 1, 1, tokens], true at real tokens.
@@ -115,7 +115,7 @@ struct BertSelfAttentionImpl : torch::nn::Module {
     return at::matmul(dropout(probs), v).transpose(1, 2).reshape({b, t, heads * d});
   }
   std::int64_t heads;
-  torch::nn::Linear query, key, value;
+  mixprec::nn::Linear query, key, value;
   torch::nn::Dropout dropout;
 };
 TORCH_MODULE(BertSelfAttention);
@@ -135,9 +135,9 @@ TORCH_MODULE(BertAttention);
 
 struct BertIntermediateImpl : torch::nn::Module {
   explicit BertIntermediateImpl(const BertConfig& c)
-      : dense(register_module("dense", torch::nn::Linear(c.hidden_size, c.intermediate_size))) {}
+      : dense(register_module("dense", mixprec::nn::Linear(c.hidden_size, c.intermediate_size))) {}
   at::Tensor forward(const at::Tensor& x) { return at::gelu(dense(x)); }  // erf GELU: "gelu"
-  torch::nn::Linear dense;
+  mixprec::nn::Linear dense;
 };
 TORCH_MODULE(BertIntermediate);
 
@@ -188,9 +188,9 @@ TORCH_MODULE(BertEmbeddings);
 
 struct BertPoolerImpl : torch::nn::Module {
   explicit BertPoolerImpl(const BertConfig& c)
-      : dense(register_module("dense", torch::nn::Linear(c.hidden_size, c.hidden_size))) {}
+      : dense(register_module("dense", mixprec::nn::Linear(c.hidden_size, c.hidden_size))) {}
   at::Tensor forward(const at::Tensor& hidden) { return torch::tanh(dense(hidden.select(1, 0))); }
-  torch::nn::Linear dense;
+  mixprec::nn::Linear dense;
 };
 TORCH_MODULE(BertPooler);
 
@@ -260,7 +260,7 @@ struct ClassifierImpl : torch::nn::Module {
   ClassifierImpl(const BertConfig& c, std::int64_t classes)
       : bert(register_module("bert", BertModel(c))),
         dropout(register_module("dropout", torch::nn::Dropout(c.hidden_dropout_prob))),
-        head(register_module("head", torch::nn::Linear(c.hidden_size, classes))) {}
+        head(register_module("head", mixprec::nn::Linear(c.hidden_size, classes))) {}
   template <class P = mixprec::FullPrecision>
   at::Tensor forward(const at::Tensor& ids, const at::Tensor& mask) {
     const auto hidden = bert->template forward<P>(ids, mask);
@@ -270,7 +270,7 @@ struct ClassifierImpl : torch::nn::Module {
   }
   BertModel bert;
   torch::nn::Dropout dropout;
-  torch::nn::Linear head;
+  mixprec::nn::Linear head;
 };
 TORCH_MODULE(Classifier);
 

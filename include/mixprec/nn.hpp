@@ -3,6 +3,15 @@
 /// plus precision settings that a LibTorch module cannot take from outside (LibTorch modules have
 /// no forward hooks, and a model's forward calls its members' forward() directly).
 ///
+/// mixprec::nn::Linear: torch::nn::Linear computed as PyTorch's F.linear (at::linear). LibTorch's
+/// C++ Linear applies its bias as a second op on inputs of more than 2 dimensions (a matmul, then
+/// `output += bias`): outside autocast's op list, so under MixedO1 an fp32 bias is added into a
+/// bf16/fp16 product, rounded twice, in a mixed-dtype pass that is slow on the CPU, and the rows
+/// of a 3-D batch differ from the same rows as a 2-D batch. at::linear folds the bias into the
+/// product, as Python does, so a model ported from Python computes what Python computes:
+///
+///   mixprec::nn::Linear dense{384, 1536};  // was torch::nn::Linear: same parameters and keys
+///
 /// mixprec::nn::Conv2d: fp32_weight_grad(true) computes an fp16 convolution's weight and bias
 /// gradients in fp32 (rounded once to fp16), leaving its forward and input gradient in fp16. On a
 /// CPU with AVX512-FP16 but no AMX-FP16 (a Sapphire Rapids Xeon), LibTorch's fp16 weight gradient
@@ -22,6 +31,7 @@
 #include <torch/nn/functional/padding.h>
 #include <torch/nn/module.h>
 #include <torch/nn/modules/conv.h>
+#include <torch/nn/modules/linear.h>
 #include <torch/nn/pimpl.h>
 
 #include <array>
@@ -159,6 +169,17 @@ class Conv2dImpl : public torch::nn::Conv2dImpl {
   bool fp32_weight_grad_ = false;
 };
 TORCH_MODULE(Conv2d);
+
+/// torch::nn::Linear with the same parameters, init and state_dict keys whose forward is
+/// at::linear, PyTorch's F.linear: the bias folded into the product for inputs of any rank, and
+/// under autocast cast with the weight (see the top of this header). On 2-D inputs outside
+/// autocast both compute the same addmm.
+class LinearImpl : public torch::nn::LinearImpl {
+ public:
+  using torch::nn::LinearImpl::LinearImpl;
+  at::Tensor forward(const at::Tensor& input) { return at::linear(input, weight, bias); }
+};
+TORCH_MODULE(Linear);
 
 namespace detail {
 

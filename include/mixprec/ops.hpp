@@ -84,13 +84,13 @@ at::Tensor masked_softmax(const at::Tensor& vector, const at::Tensor& mask, int6
   constexpr std::string_view op = "masked_softmax";
   detail::check_floating(op, vector, "vector");
   const int64_t d = detail::wrap_dim(op, vector, dim);
-  const auto x = detail::to_compute(vector);
   at::Tensor result;
   if (!mask.defined()) {
-    result = at::softmax(x, d);
+    result = at::softmax(detail::to_compute(vector), d);
   } else {
     const auto keep = detail::prepare_mask(op, vector, mask, d);
-    result = detail::MaskedSoftmaxFunction::apply(x, keep, d, memory_efficient);
+    // The node casts a reduced-float `vector` to fp32 in the pass that applies the mask.
+    result = detail::MaskedSoftmaxFunction::apply(vector, keep, d, memory_efficient);
   }
   return detail::to_output(result, detail::output_dtype_of<P>(vector.scalar_type()),
                            /*saturate=*/false);
