@@ -177,19 +177,16 @@ int main(int argc, char** argv) {
     std::vector<double> ours, theirs;
     double peak = 0, python_peak = 0;
     for (int r = 0; r < reps && ok; ++r) {
-      const auto run_ours = [&] {
-        const auto m = cpp(row.policy, row.fused, data, steps, threads);
-        if (!m) return false;
-        ours.push_back(m->ms);
-        peak = std::max(peak, m->peak_mib);
-        return true;
+      const auto record = [](const std::optional<Measure>& m, std::vector<double>& ms, double& top) {
+        if (m) {
+          ms.push_back(m->ms);
+          top = std::max(top, m->peak_mib);
+        }
+        return m.has_value();
       };
+      const auto run_ours = [&] { return record(cpp(row.policy, row.fused, data, steps, threads), ours, peak); };
       const auto run_theirs = [&] {
-        const auto p = py(row.python_mode, row.fused, data, steps, threads);
-        if (!p) return false;
-        theirs.push_back(p->ms);
-        python_peak = std::max(python_peak, p->peak_mib);
-        return true;
+        return record(py(row.python_mode, row.fused, data, steps, threads), theirs, python_peak);
       };
       const bool done = !paired ? run_ours()
                         : r % 2 == 0 ? run_ours() && run_theirs()

@@ -125,6 +125,14 @@ TEST_CASE("nn::Linear is torch::nn::Linear with F.linear's forward: a row's outp
     // And what F.linear computes: the bias added inside the product, one rounding.
     CHECK(at::equal(y3, at::linear(x, ours->weight, ours->bias)));
   }
+  // An input of the wrong width is an Error naming both widths, and nothing changes.
+  const auto before = ours->weight.clone();
+  CHECK_THROWS_WITH_AS(ours(torch::randn({3, 4, 7})),
+                       doctest::Contains("mixprec::nn::Linear(6, 5): the input of shape [3, 4, 7] "
+                                         "must have 6 features in its last dimension"),
+                       mp::Error);
+  CHECK_THROWS_AS(ours(torch::tensor(1.0F)), mp::Error);
+  CHECK(at::equal(ours->weight, before));
 }
 
 TEST_CASE("nn::Conv2d with fp32 weight gradients: fp16 forward and input gradient as LibTorch's, "

@@ -173,11 +173,19 @@ TORCH_MODULE(Conv2d);
 /// torch::nn::Linear with the same parameters, init and state_dict keys whose forward is
 /// at::linear, PyTorch's F.linear: the bias folded into the product for inputs of any rank, and
 /// under autocast cast with the weight (see the top of this header). On 2-D inputs outside
-/// autocast both compute the same addmm.
+/// autocast both compute the same addmm. An input whose last dimension is not in_features is
+/// an Error that says so.
 class LinearImpl : public torch::nn::LinearImpl {
  public:
   using torch::nn::LinearImpl::LinearImpl;
-  at::Tensor forward(const at::Tensor& input) { return at::linear(input, weight, bias); }
+  at::Tensor forward(const at::Tensor& input) {
+    MIXPREC_CHECK(input.dim() >= 1 && input.size(-1) == weight.size(1),
+                  "mixprec::nn::Linear(", weight.size(1), ", ", weight.size(0), "): the input of "
+                  "shape ", input.sizes(), " must have ", weight.size(1), " features in its last "
+                  "dimension; reshape it, or build the layer with in_features ",
+                  input.dim() >= 1 ? input.size(-1) : 0);
+    return at::linear(input, weight, bias);
+  }
 };
 TORCH_MODULE(Linear);
 
