@@ -3,14 +3,38 @@
 
 #include <mixprec/fp8.hpp>
 
+#include <c10/util/Flags.h>
 #include <torch/torch.h>
 
 #include <cstdint>
 #include <map>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
+// c10's flag: LibTorch's CPU allocator fills each new block with a NaN pattern.
+C10_DECLARE_bool(caffe2_cpu_allocator_do_junk_fill);
+
 namespace test {
+
+/// While alive, memory LibTorch allocates on the CPU holds NaN until written, every time (not
+/// by the chance of what the allocator hands back): a test that must not read uninitialised
+/// memory as values fails for certain. Checks that the flag takes effect.
+class NanFilledAllocations {
+ public:
+  NanFilledAllocations() : was_(FLAGS_caffe2_cpu_allocator_do_junk_fill) {
+    FLAGS_caffe2_cpu_allocator_do_junk_fill = true;
+    if (!torch::empty({16}).isnan().all().item<bool>()) {
+      throw std::runtime_error("caffe2_cpu_allocator_do_junk_fill did not fill with NaN");
+    }
+  }
+  NanFilledAllocations(const NanFilledAllocations&) = delete;
+  NanFilledAllocations& operator=(const NanFilledAllocations&) = delete;
+  ~NanFilledAllocations() { FLAGS_caffe2_cpu_allocator_do_junk_fill = was_; }
+
+ private:
+  bool was_;
+};
 
 /// Runs `body(Recipe{})` where this LibTorch has fp8 (mixprec::has_fp8). The body is a generic
 /// lambda, so that nothing naming MixedFP8 is compiled under LibTorch 1.13, where such cases are

@@ -18,6 +18,7 @@
 #include <mixprec/error.hpp>
 
 #include <ATen/ATen.h>
+#include <ATen/core/function_schema.h>
 #include <ATen/record_function.h>
 #include <torch/arg.h>
 
@@ -313,18 +314,37 @@ class OpObserver {
   template <class Values>  // RecordFunction's inputs() (an ArrayRef) or outputs() (a vector)
   static std::vector<at::Tensor> float_tensors(const Values& values) {
     std::vector<at::Tensor> result;
+    for (const auto& v : values) add_float_tensors(v, result);
+    return result;
+  }
+  static void add_float_tensors(const c10::IValue& v, std::vector<at::Tensor>& result) {
     auto add = [&](const at::Tensor& t) {
       if (t.defined() && !t.is_sparse() && t.layout() == c10::kStrided &&
           at::isFloatingType(t.scalar_type()) && t.numel() > 0 && t.device().type() != c10::kMeta) {
         result.push_back(t);
       }
     };
-    for (const auto& v : values) {
-      if (v.isTensor()) {
-        add(v.toTensor());
-      } else if (v.isTensorList()) {
-        for (const auto& t : v.toTensorVector()) add(t);
-      }
+    if (v.isTensor()) {
+      add(v.toTensor());
+    } else if (v.isTensorList()) {
+      for (const auto& t : v.toTensorVector()) add(t);
+    }
+  }
+
+  /// Which of an op's outputs (by index in fn.outputs()) are, by the op's schema, an input seen
+  /// through a view that the op does not write (`Tensor(a)`: resolve_conj, view, expand,
+  /// contiguous, ...). Such an output holds its input's values, so an inf/NaN in it began
+  /// elsewhere, or is the uninitialised memory of a buffer not yet written (LibTorch 1.13's mm
+  /// resolves the conjugate of its `out` before it computes). All false for an op with no
+  /// schema.
+  static std::vector<bool> passed_through(const at::RecordFunction& fn) {
+    std::vector<bool> result(fn.outputs().size(), false);
+    const auto schema = fn.operator_schema();
+    if (!schema) return result;
+    const auto& returns = schema->returns();
+    for (std::size_t i = 0; i < result.size() && i < returns.size(); ++i) {
+      const auto* alias = returns[i].alias_info();
+      result[i] = alias != nullptr && !alias->isWrite();
     }
     return result;
   }
@@ -470,7 +490,7 @@ class NonFiniteOpFinder : detail::OpObserver {
     quietly([&] {
       bool bad = false;
       for (const auto& t : outputs) bad = bad || !at::isfinite(t).all().template item<bool>();
-      if (!bad) return;
+      if (!bad || only_passed_through(fn)) return;
       NonFiniteOp found;
       found.op = op.name;
       // Outermost first; an op that calls itself again (autocast's kernel casts the inputs and
@@ -488,6 +508,21 @@ class NonFiniteOpFinder : detail::OpObserver {
       }
       first_ = std::move(found);
     });
+  }
+
+  // Whether every output that holds inf/NaN is an input passed through (see passed_through):
+  // the op did not make them, so it is not the one to report.
+  static bool only_passed_through(const at::RecordFunction& fn) {
+    const auto through = passed_through(fn);
+    for (std::size_t i = 0; i < through.size(); ++i) {
+      if (through[i]) continue;
+      std::vector<at::Tensor> made;
+      add_float_tensors(fn.outputs()[i], made);
+      for (const auto& t : made) {
+        if (!at::isfinite(t).all().template item<bool>()) return false;
+      }
+    }
+    return true;
   }
 
   static TensorSummary summary(const at::Tensor& t) {
