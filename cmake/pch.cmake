@@ -6,9 +6,17 @@ add_library(mixprec_pch OBJECT ${CMAKE_CURRENT_LIST_DIR}/pch.cpp)
 target_link_libraries(mixprec_pch PRIVATE mixprec::mixprec)
 target_precompile_headers(mixprec_pch PRIVATE <torch/torch.h>)
 mixprec_warnings(mixprec_pch)
+# MIXPREC_QUICK_BUILD: the header and every target that uses it at -O0 (GCC refuses a header
+# built with __OPTIMIZE__ in a TU without it, and the other way round).
+if(MIXPREC_QUICK_BUILD)
+  target_compile_options(mixprec_pch PRIVATE -O0)
+endif()
 
 function(mixprec_use_pch target)
   target_precompile_headers(${target} REUSE_FROM mixprec_pch)
+  if(MIXPREC_QUICK_BUILD)
+    target_compile_options(${target} PRIVATE -O0)
+  endif()
   # GCC 13 ties -m options (-munroll-only-small-loops, -mvzeroupper) to the -O level, so it
   # refuses the header in the -O1 test TUs built beside an -O3 one: there they parse it
   # themselves (slower, same code), a warning rather than an error.
