@@ -63,7 +63,7 @@ struct TaggerImpl : torch::nn::Module {
         key(register_module("key", mixprec::nn::Float8Linear(d, d))),
         value(register_module("value", mixprec::nn::Float8Linear(d, d))),
         hidden(register_module("hidden", mixprec::nn::Float8Linear(2 * d, d))),
-        out(register_module("out", mixprec::nn::Mappable<torch::nn::Linear>(d, 2))),
+        out(register_module("out", mixprec::nn::Mappable<mixprec::nn::Linear>(d, 2))),
         scale(1.0 / std::sqrt(static_cast<double>(d))) {}
 
   at::Tensor forward(const at::Tensor& tokens, const at::Tensor& mask) {
@@ -84,9 +84,10 @@ struct TaggerImpl : torch::nn::Module {
   }
 
   torch::nn::Embedding embedding;
-  // torch::nn::Linear under every policy but MixedFP8, where their products run in fp8.
+  // mixprec::nn::Linear (F.linear) under every policy but MixedFP8, where their products run
+  // in fp8.
   mixprec::nn::Float8Linear query, key, value, hidden;
-  mixprec::nn::Mappable<torch::nn::Linear> out;  // a precision map can keep it in fp32
+  mixprec::nn::Mappable<mixprec::nn::Linear> out;  // a precision map can keep it in fp32
   double scale;
 };
 TORCH_MODULE(Tagger);

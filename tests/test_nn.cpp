@@ -87,18 +87,27 @@ TEST_CASE("nn::Conv2d is torch::nn::Conv2d: same initialisation, state_dict keys
   CHECK(test::identical({p.output, p.weight}, {o2.output, o2.weight}));
 }
 
-TEST_CASE("nn::Linear is torch::nn::Linear with F.linear's forward: a row's output does not "
-          "depend on the input's rank, under autocast too") {
+namespace {
+template <class Holder>
+constexpr const char* linear_name = "mixprec::nn::Linear";
+template <>
+constexpr const char* linear_name<mp::nn::Float8Linear> = "mixprec::nn::Float8Linear";
+}  // namespace
+
+// Float8Linear where it does not compute in fp8 (no Trainer<MixedFP8>): the same.
+TEST_CASE_TEMPLATE("nn::Linear is torch::nn::Linear with F.linear's forward: a row's output does "
+                   "not depend on the input's rank, under autocast too", Holder, mp::nn::Linear,
+                   mp::nn::Float8Linear) {
   torch::manual_seed(5);
   torch::nn::Linear plain(torch::nn::LinearOptions(6, 5));
   torch::manual_seed(5);
-  mp::nn::Linear ours(6, 5);
+  Holder ours(6, 5);
   CHECK(test::identical({plain->weight, plain->bias}, {ours->weight, ours->bias}));
   std::vector<std::string> a, b;
   for (const auto& item : plain->named_parameters()) a.push_back(item.key());
   for (const auto& item : ours->named_parameters()) b.push_back(item.key());
   CHECK(a == b);
-  CHECK(ours->as<torch::nn::LinearImpl>() != nullptr);
+  CHECK(ours->template as<torch::nn::LinearImpl>() != nullptr);
   const auto x = torch::randn({3, 4, 6});
   // 2-D and fp32: the same addmm as torch::nn::Linear.
   CHECK(at::equal(ours(x[0]), plain(x[0])));
@@ -127,9 +136,10 @@ TEST_CASE("nn::Linear is torch::nn::Linear with F.linear's forward: a row's outp
   }
   // An input of the wrong width is an Error naming both widths, and nothing changes.
   const auto before = ours->weight.clone();
-  CHECK_THROWS_WITH_AS(ours(torch::randn({3, 4, 7})),
-                       doctest::Contains("mixprec::nn::Linear(6, 5): the input of shape [3, 4, 7] "
-                                         "must have 6 features in its last dimension"),
+  const auto expected = std::string(linear_name<Holder>) +
+                        "(6, 5): the input of shape [3, 4, 7] must have 6 features in its last "
+                        "dimension";
+  CHECK_THROWS_WITH_AS(ours(torch::randn({3, 4, 7})), doctest::Contains(expected.c_str()),
                        mp::Error);
   CHECK_THROWS_AS(ours(torch::tensor(1.0F)), mp::Error);
   CHECK(at::equal(ours->weight, before));

@@ -12,7 +12,7 @@
 /// output dtype (bf16), the bias added after. The rest of the model computes in bf16, with fp32
 /// master weights and no loss scaler (the per-tensor scales do its job). Declare the linear
 /// layers that should run in fp8 as mixprec::nn::Float8Linear (torch::nn::Linear's parameters,
-/// initialization, state_dict keys and forward; it computes as a Linear under other policies):
+/// initialization and state_dict keys; under other policies it computes as mixprec::nn::Linear):
 ///
 ///   struct Block : torch::nn::Module {
 ///     mixprec::nn::Float8Linear fc1{512, 2048}, fc2{2048, 512};
@@ -33,6 +33,7 @@
 #include <mixprec/compat.hpp>
 #include <mixprec/detail/model_cast.hpp>
 #include <mixprec/error.hpp>
+#include <mixprec/nn.hpp>
 #include <mixprec/policy.hpp>
 #include <mixprec/precision_map.hpp>
 
@@ -389,9 +390,9 @@ class Fp8Watch {
 
 namespace nn {
 
-/// torch::nn::Linear (the same parameters, initialization, state_dict keys and forward) that
-/// computes in fp8 under a Trainer<MixedFP8<...>>, and as a Linear under every other policy. A
-/// checkpoint of either loads into the other.
+/// torch::nn::Linear (the same parameters, initialization and state_dict keys) that computes in
+/// fp8 under a Trainer<MixedFP8<...>>, and as mixprec::nn::Linear (F.linear) under every other
+/// policy. A checkpoint of either loads into the other. An input of the wrong width is an Error.
 class Float8LinearImpl : public torch::nn::LinearImpl, public mixprec::detail::MappableBase {
  public:
   Float8LinearImpl(std::int64_t in_features, std::int64_t out_features)
@@ -402,10 +403,12 @@ class Float8LinearImpl : public torch::nn::LinearImpl, public mixprec::detail::M
   at::Tensor forward(const at::Tensor& input) {
     return mixprec::detail::forward_in_region(region_, input, [this](const at::Tensor& x) {
       if (!fp8_ || !at::isFloatingType(x.scalar_type())) {
-        auto out = torch::nn::LinearImpl::forward(x);
+        // As mixprec::nn::Linear: F.linear, not torch::nn::Linear's product and separate add.
+        auto out = mixprec::nn::detail::linear("mixprec::nn::Float8Linear", x, weight, bias);
         if (const auto& watch = mixprec::detail::Fp8Watch::current()) watch_fp8(*watch, x, out);
         return out;
       }
+      mixprec::nn::detail::check_linear_input("mixprec::nn::Float8Linear", x, weight);
       fp8_->set_recording(at::GradMode::is_enabled());  // Function::apply turns grad off
       auto out = mixprec::detail::Fp8LinearFunction::apply(x, weight, fp8_);
       return bias.defined() ? out + bias.to(out.scalar_type()) : out;

@@ -170,6 +170,27 @@ class Conv2dImpl : public torch::nn::Conv2dImpl {
 };
 TORCH_MODULE(Conv2d);
 
+namespace detail {
+
+/// An Error naming `module` and both widths unless `input`'s last dimension is the layer's.
+inline void check_linear_input(const char* module, const at::Tensor& input,
+                               const at::Tensor& weight) {
+  MIXPREC_CHECK(input.dim() >= 1 && input.size(-1) == weight.size(1), module, "(",
+                weight.size(1), ", ", weight.size(0), "): the input of shape ", input.sizes(),
+                " must have ", weight.size(1), " features in its last dimension; reshape it, or "
+                "build the layer with in_features ", input.dim() >= 1 ? input.size(-1) : 0);
+}
+
+/// The input checked, then F.linear: the forward of nn::Linear, and of nn::Float8Linear where
+/// it does not compute in fp8.
+inline at::Tensor linear(const char* module, const at::Tensor& input, const at::Tensor& weight,
+                         const at::Tensor& bias) {
+  check_linear_input(module, input, weight);
+  return at::linear(input, weight, bias);
+}
+
+}  // namespace detail
+
 /// torch::nn::Linear with the same parameters, init and state_dict keys whose forward is
 /// at::linear, PyTorch's F.linear: the bias folded into the product for inputs of any rank, and
 /// under autocast cast with the weight (see the top of this header). On 2-D inputs outside
@@ -179,12 +200,7 @@ class LinearImpl : public torch::nn::LinearImpl {
  public:
   using torch::nn::LinearImpl::LinearImpl;
   at::Tensor forward(const at::Tensor& input) {
-    MIXPREC_CHECK(input.dim() >= 1 && input.size(-1) == weight.size(1),
-                  "mixprec::nn::Linear(", weight.size(1), ", ", weight.size(0), "): the input of "
-                  "shape ", input.sizes(), " must have ", weight.size(1), " features in its last "
-                  "dimension; reshape it, or build the layer with in_features ",
-                  input.dim() >= 1 ? input.size(-1) : 0);
-    return at::linear(input, weight, bias);
+    return detail::linear("mixprec::nn::Linear", input, weight, bias);
   }
 };
 TORCH_MODULE(Linear);
