@@ -331,24 +331,6 @@ class OpObserver {
     }
   }
 
-  /// Which of an op's outputs (by index in fn.outputs()) are, by the op's schema, an input seen
-  /// through a view that the op does not write (`Tensor(a)`: resolve_conj, view, expand,
-  /// contiguous, ...). Such an output holds its input's values, so an inf/NaN in it began
-  /// elsewhere, or is the uninitialised memory of a buffer not yet written (LibTorch 1.13's mm
-  /// resolves the conjugate of its `out` before it computes). All false for an op with no
-  /// schema.
-  static std::vector<bool> passed_through(const at::RecordFunction& fn) {
-    std::vector<bool> result(fn.outputs().size(), false);
-    const auto schema = fn.operator_schema();
-    if (!schema) return result;
-    const auto& returns = schema->returns();
-    for (std::size_t i = 0; i < result.size() && i < returns.size(); ++i) {
-      const auto* alias = returns[i].alias_info();
-      result[i] = alias != nullptr && !alias->isWrite();
-    }
-    return result;
-  }
-
  private:
   static OpObserver*& current() {
     thread_local OpObserver* observer = nullptr;
@@ -510,14 +492,21 @@ class NonFiniteOpFinder : detail::OpObserver {
     });
   }
 
-  // Whether every output that holds inf/NaN is an input passed through (see passed_through):
-  // the op did not make them, so it is not the one to report.
+  // Whether every output that holds inf/NaN is, by the op's schema, an input seen through a
+  // view the op does not write (`Tensor(a)`: resolve_conj, view, expand, ...). Such an output
+  // holds its input's values: the inf/NaN began elsewhere, or is the uninitialised memory of a
+  // buffer not yet written (LibTorch 1.13's mm resolves the conjugate of its `out` before it
+  // computes). So the op is not the one to report. False for an op with no schema.
   static bool only_passed_through(const at::RecordFunction& fn) {
-    const auto through = passed_through(fn);
-    for (std::size_t i = 0; i < through.size(); ++i) {
-      if (through[i]) continue;
+    const auto schema = fn.operator_schema();
+    if (!schema) return false;
+    const auto& returns = schema->returns();
+    const auto& values = fn.outputs();
+    for (std::size_t i = 0; i < values.size(); ++i) {
+      const auto* alias = i < returns.size() ? returns[i].alias_info() : nullptr;
+      if (alias != nullptr && !alias->isWrite()) continue;
       std::vector<at::Tensor> made;
-      add_float_tensors(fn.outputs()[i], made);
+      add_float_tensors(values[i], made);
       for (const auto& t : made) {
         if (!at::isfinite(t).all().template item<bool>()) return false;
       }
