@@ -230,6 +230,49 @@ TEST_CASE("catalogue: bad calls on a training run are Errors that change nothing
   }
 }
 
+TEST_CASE("catalogue: habits from Python and LibTorch's own calls are Errors that change nothing") {
+  const auto tmp = std::filesystem::path(MIXPREC_TEST_TMPDIR);
+  const std::vector<Row> rows = {
+      {"loss_fn runs backward() itself", "loss_fn ran a backward pass itself",
+       [](World& w) {
+         w.trainer.step([&] {
+           // fc2 alone: no BatchNorm, whose statistics this forward would update.
+           auto loss = w.net->fc2->forward(torch::ones({2, 8}, at::kBFloat16)).sum();
+           loss.backward();
+           return loss;
+         });
+       }},
+      {"a floating input not passed through cast_input", "trainer.cast_input(x)",
+       [](World& w) {
+         w.trainer.step([&] {
+           return torch::nn::functional::cross_entropy(w.net->forward(w.x), w.y);
+         });
+       }},
+      {"evaluate() with an input not passed through cast_input", "trainer.cast_input(x)",
+       [](World& w) { w.trainer.evaluate([&] { return w.net->forward(w.x); }); }},
+      {"torch::load(trainer, path) of a missing file", "cannot read",
+       [&](World& w) { torch::load(w.trainer, (tmp / "catalogue_missing.pt").string()); }},
+      {"torch::load(trainer, path) of a truncated archive", "cannot read",
+       [](World& w) {
+         const auto path = write_file("catalogue_whole.pt", "");
+         torch::save(w.trainer, path);
+         const auto bytes = read_file(path);
+         torch::load(w.trainer, write_file("catalogue_cut.pt", bytes.substr(0, bytes.size() / 2)));
+       }},
+      {"torch::save(trainer, path) into a missing directory", "cannot write",
+       [&](World& w) { torch::save(w.trainer, (tmp / "no_such_dir" / "run.pt").string()); }},
+  };
+  for (const auto& row : rows) {
+    SUBCASE(row.input) {
+      World world;
+      const Frozen before(world);
+      CHECK_THROWS_WITH_AS(row.call(world), doctest::Contains(row.excerpt), mp::Error);
+      CHECK(Frozen(world) == before);
+      CHECK(world.step().stepped());  // and the run goes on
+    }
+  }
+}
+
 TEST_CASE("catalogue: bad Trainer constructions are Errors that leave model and optimizer alone") {
   using O2 = mp::Trainer<mp::MixedO2<at::BFloat16>>;
   using Scaled = mp::Trainer<ScaledO2>;

@@ -1874,6 +1874,24 @@ TEST_CASE("distributed, sharded: a late param group with a tensor the optimizer 
   CHECK(identical(a, c));
 }
 
+TEST_CASE("distributed, sharded: a new optimizer assigned to the Trainer's is an Error, nothing changed") {
+  // Each rank's optimizer holds its slices: a new one over model->parameters() cannot take
+  // them over (unsharded, and in one process, it is adopted: test_trainer_habits.cpp).
+  auto net = dyadic_net(1);
+  torch::optim::AdamW optimizer(net->parameters(), torch::optim::AdamWOptions(1e-2));
+  mp::Trainer<mp::MixedO2<at::BFloat16>> trainer(
+      net, optimizer,
+      mp::TrainerOptions().distributed(mp::DistributedOptions(solo_group()).shard_optimizer_state(true)));
+  auto gen = at::detail::createCPUGenerator(1);
+  Batch b{dyadic({4, 8}, gen), dyadic({4, 4}, gen)};
+  REQUIRE(trainer.step([&] { return loss_of(trainer, net, b); }).stepped());
+  const auto before = snapshot(net->parameters());
+  optimizer = torch::optim::AdamW(net->parameters(), torch::optim::AdamWOptions(1e-3));
+  CHECK_THROWS_WITH_AS(trainer.step([&] { return loss_of(trainer, net, b); }),
+                       doctest::Contains("shard_optimizer_state"), mp::Error);
+  CHECK(identical(net->parameters(), before));
+}
+
 TEST_CASE("distributed: DataParallel refuses a gradient that arrives twice in one step") {
   // The Trainer runs one backward pass per step; a loop of one's own might run two.
   auto net = dyadic_net(1);

@@ -20,6 +20,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
+#include <c10/util/Type.h>
 #include <torch/optim/adam.h>
 #include <torch/optim/adamw.h>
 #include <torch/optim/optimizer.h>
@@ -149,7 +150,7 @@ inline void check_fused_adam(const torch::optim::Optimizer& optimizer) {
   MIXPREC_CHECK(detail::adam_kind(optimizer).has_value(), "the fused step folds unscaling into "
                 "ATen's fused Adam/AdamW kernel, so the optimizer must be exactly "
                 "torch::optim::Adam or torch::optim::AdamW (a subclass could override step()); "
-                "got ", typeid(optimizer).name(), ": turn fused_optimizer off");
+                "got ", c10::demangle(typeid(optimizer).name()), ": turn fused_optimizer off");
 }
 
 namespace detail {

@@ -15,6 +15,7 @@
 
 #include <cstddef>
 #include <memory>
+#include <type_traits>
 #include <unordered_map>
 #include <vector>
 
@@ -25,23 +26,6 @@ namespace detail {
 /// Sets each tensor's gradient to none (PyTorch's zero_grad(set_to_none=True)).
 inline void clear_grads(const std::vector<at::Tensor>& tensors) {
   for (const auto& t : tensors) t.mutable_grad().reset();
-}
-
-/// The number of tensors in each param group: a cheap test for groups added since.
-inline std::vector<std::size_t> group_sizes(const torch::optim::Optimizer& optimizer) {
-  std::vector<std::size_t> sizes;
-  for (const auto& group : optimizer.param_groups()) sizes.push_back(group.params().size());
-  return sizes;
-}
-
-inline bool same_group_sizes(const torch::optim::Optimizer& optimizer,
-                             const std::vector<std::size_t>& sizes) {
-  const auto& groups = optimizer.param_groups();
-  if (groups.size() != sizes.size()) return false;
-  for (std::size_t g = 0; g < sizes.size(); ++g) {
-    if (groups[g].params().size() != sizes[g]) return false;
-  }
-  return true;
 }
 
 /// Drops the repeats of a tensor within each param group, so that the optimizer steps it once
@@ -154,8 +138,10 @@ class MasterWeights {
     check_groups(model_params, optimizer, nullptr);
   }
 
-  /// Throws unless every tensor `optimizer` holds is a master, or one of `model_params` that
-  /// has none yet (a param group added since), and none is in two param groups.
+  /// Throws unless every tensor `optimizer` holds is a master, or one of `model_params`: one
+  /// that has none yet (a param group added since), or one whose master the optimizer does not
+  /// hold (a new optimizer built on model->parameters(): bind() puts the master in its place,
+  /// which needs the optimizer to have no state for it); and none is in two param groups.
   void check_bindable(const std::vector<at::Tensor>& model_params,
                       const torch::optim::Optimizer& optimizer) const {
     check_groups(model_params, optimizer, this);
@@ -166,15 +152,17 @@ class MasterWeights {
     std::vector<at::Tensor> result;
     for (const auto& group : optimizer.param_groups()) {
       for (const auto& p : group.params()) {
-        if (pair_of_master_.count(p.unsafeGetTensorImpl()) == 0) result.push_back(p);
+        const void* id = p.unsafeGetTensorImpl();
+        if (pair_of_master_.count(id) == 0 && pair_of_model_.count(id) == 0) result.push_back(p);
       }
     }
     return detail::unique_tensors(result);
   }
 
   /// Makes masters for the optimizer's tensors that have none, from their entries in
-  /// `model_params`/`fp32_values`, and rebinds the optimizer to them; the construction and a
-  /// param group added later (after check_bindable) go through here.
+  /// `model_params`/`fp32_values`, and rebinds the optimizer to them (a model tensor that has
+  /// a master already gets that one); the construction, a param group added later and a new
+  /// optimizer (after check_bindable) go through here.
   void bind(const std::vector<at::Tensor>& model_params,
             const std::vector<at::Tensor>& fp32_values, torch::optim::Optimizer& optimizer) {
     MIXPREC_CHECK(fp32_values.size() == model_params.size(), "MasterWeights needs one fp32 "
@@ -187,6 +175,11 @@ class MasterWeights {
     for (auto& group : optimizer.param_groups()) {
       for (auto& p : group.params()) {
         if (pair_of_master_.count(p.unsafeGetTensorImpl()) == 1) continue;
+        if (const auto it = pair_of_model_.find(p.unsafeGetTensorImpl());
+            it != pair_of_model_.end()) {
+          p = pairs_[it->second].master;
+          continue;
+        }
         const auto i = model_index.at(p.unsafeGetTensorImpl());
         const auto& model = model_params[i];
         const auto master = model.scalar_type() == at::kFloat
@@ -274,6 +267,7 @@ class MasterWeights {
   static void check_groups(const std::vector<at::Tensor>& model_params,
                            const torch::optim::Optimizer& optimizer, const MasterWeights* self) {
     const auto model = detail::identities(model_params);
+    const auto held = detail::identities(detail::optimizer_tensors(optimizer));
     std::unordered_map<const void*, std::size_t> group_of;
     const auto& groups = optimizer.param_groups();
     for (std::size_t g = 0; g < groups.size(); ++g) {
@@ -282,9 +276,17 @@ class MasterWeights {
         if (self == nullptr || self->pair_of_master_.count(id) == 0) {
           MIXPREC_CHECK(model.count(id) == 1, "the optimizer holds a tensor of shape ", p.sizes(),
                         " that is not a parameter of the model: build it on model->parameters()");
-          MIXPREC_CHECK(self == nullptr || self->pair_of_model_.count(id) == 0, "param group ", g,
-                        " holds a model tensor of shape ", p.sizes(), " that the optimizer "
-                        "already trains through its fp32 master: put each tensor in one group");
+          const auto* master = self != nullptr ? self->master_of_model(id) : nullptr;
+          if (master != nullptr) {
+            MIXPREC_CHECK(held.count(master->unsafeGetTensorImpl()) == 0, "param group ", g,
+                          " holds a model tensor of shape ", p.sizes(), " that the optimizer "
+                          "already trains through its fp32 master: put each tensor in one group");
+            MIXPREC_CHECK(!has_state_for(optimizer, p), "the optimizer holds the model's ",
+                          p.scalar_type(), " tensor of shape ", p.sizes(), " and has state for "
+                          "it (it was stepped outside the Trainer): the Trainer steps the fp32 "
+                          "master weights. Build the new optimizer on model->parameters() and "
+                          "let the Trainer take it before any optimizer.step() of yours");
+          }
         }
         const auto [it, inserted] = group_of.try_emplace(id, g);
         MIXPREC_CHECK(inserted || it->second == g, "a tensor of shape ", p.sizes(), " is in "
@@ -292,6 +294,20 @@ class MasterWeights {
                       "refuses this too): put each tensor in one group");
       }
     }
+  }
+
+  // The master of the model tensor `id`, or null where it has none.
+  const at::Tensor* master_of_model(const void* id) const {
+    const auto it = pair_of_model_.find(id);
+    return it == pair_of_model_.end() ? nullptr : &pairs_[it->second].master;
+  }
+
+  // Whether the optimizer has stepped state for `p` (LibTorch's Adagrad makes state at
+  // construction, which is not a step).
+  static bool has_state_for(const torch::optim::Optimizer& optimizer, const at::Tensor& p) {
+    const auto& states = optimizer.state();
+    return detail::has_stepped(optimizer) &&
+           states.count(detail::state_key<std::decay_t<decltype(states)>>(p)) == 1;
   }
 
   std::vector<Pair> pairs_;

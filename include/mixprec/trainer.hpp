@@ -38,15 +38,19 @@
 #include <torch/nn/pimpl.h>
 #include <torch/optim/optimizer.h>
 #include <torch/ordered_dict.h>
+#include <torch/serialize.h>
 #include <torch/serialize/archive.h>
 
 #include <cmath>
+#include <exception>
 #include <concepts>
 #include <cstdint>
 #include <functional>
 #include <memory>
 #include <optional>
 #include <string>
+#include <string_view>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -122,150 +126,14 @@ class Trainer {
   /// unscales, clips, steps (or skips on inf/NaN) and updates the scale.
   template <class LossFn>
   StepReport step(LossFn&& loss_fn) {
-    check_not_busy("step");
-    const detail::Busy busy(busy_, "step()'s loss_fn");
-    ++calls_;  // first: a call that throws counts too (DataParallel::agree_step)
-    // The scaler's scale for this step, checked before anything changes (the forward pass
-    // included); the micro-batches of one step share it, as their gradients add up.
-    if (pending_ == 0) {
-      engine_.use_scale(scaler_.get_scale());
+    static_assert(detail::returns_loss<LossFn>, "mixprec: Trainer::step(loss_fn): loss_fn must "
+                  "take no arguments and return the loss as a tensor (at::Tensor), e.g. "
+                  "[&] { return torch::mse_loss(model->forward(x), y); }");
+    if constexpr (detail::returns_loss<LossFn>) {
+      return run_step(loss_fn);
     } else {
-      // Compared as the fp32 values the step uses: a scale like 1000.1 is not an fp32 number.
-      MIXPREC_CHECK(static_cast<float>(scaler_.get_scale()) ==
-                        static_cast<float>(engine_.get_scale()), "the "
-                    "scaler's scale changed from ", engine_.get_scale(), " to ",
-                    scaler_.get_scale(), " between micro-batches of one step: set it between "
-                    "optimizer steps");
+      return {};
     }
-    // Comparing the groups' sizes is cheap; a group added since is adopted before the forward
-    // pass, which must already see its tensors cast.
-    if (tensors_.groups_changed(*optimizer_)) adopt_param_groups();
-    // Data parallel, as DDP: rank 0's buffers before the first forward of each step.
-    if (pending_ == 0) sync_buffers();
-    buffers_synced_ = false;  // this forward may update them (BatchNorm's running statistics)
-    at::Tensor loss;
-    std::optional<NonFiniteOp> non_finite_op;
-    {
-      std::optional<NonFiniteOpFinder> finder;
-      if (options_.find_non_finite_op()) finder.emplace();
-      const PolicyAutocast<P> guard(tensors_.device_types());
-      loss = std::invoke(std::forward<LossFn>(loss_fn));
-      if (finder) non_finite_op = finder->first();
-    }
-    const auto loss32 = detail::checked_loss(loss);
-    // The last step's graph (its saved tensors freed by backward) lives until this forward has
-    // run, as the `loss` variable of a hand-written loop keeps it: the parameters' gradient
-    // accumulators are then reused instead of made anew each step.
-    last_graph_ = loss32;
-    if (pending_ == 0) tensors_.clear_grads(*optimizer_);
-    const auto n = options_.accumulation_steps();
-    const auto to_backprop = n > 1 ? loss32 / static_cast<double>(n) : loss32;
-    StepReport report;
-    report.scale = engine_.get_scale();
-    report.non_finite_op = std::move(non_finite_op);
-    // Data parallel: gradients travel during the backward pass of the last micro-batch only.
-    const bool reduce = data_parallel_ && pending_ + 1 == n;
-    if (data_parallel_) {
-      if (reduce && tensors_.trainable_changed()) tensors_.bind(*data_parallel_, *model_);
-      data_parallel_->prepare(reduce, /*first=*/pending_ == 0);
-    }
-    engine_.scale(to_backprop).backward();
-    // The averages land in the holders' gradients: under MixedO2 the fp32 masters', which
-    // then hold the accumulated micro-batches too. Sharded: in the pieces' gradients; the
-    // micro-batches before the last add up in the buckets.
-    if (reduce) {
-      data_parallel_->finish();
-    } else if (data_parallel_) {
-      data_parallel_->accumulate();
-    }
-    // Micro-batch gradients sum in the fp32 master gradients, not in the Low model gradients.
-    auto* const masters = tensors_.masters();
-    if (masters && n > 1 && !reduce) masters->accumulate_grads();
-    report.loss = loss32.detach();
-    loss_sum_ = loss_sum_.defined() ? loss_sum_ + report.loss : report.loss;
-    ++counters_.micro_batches;
-    if (++pending_ < n) {
-      report.step = counters_.steps;
-      notify(report);
-      return report;
-    }
-    pending_ = 0;
-    const auto every = options_.gradient_stats().every();
-    if (every > 0 && (counters_.steps + 1) % every == 0) {
-      report.gradient_stats = tensors_.gradient_stats(
-          *model_, counters_.steps + 1, report.scale, options_.gradient_stats().group_depth(),
-          /*in_masters=*/n > 1 || data_parallel_);
-      gradient_stats_ = report.gradient_stats;
-    }
-    detail::UnscalePlan unscale;
-    unscale.max_grad_norm(options_.max_grad_norm());
-    if (masters && n == 1 && !data_parallel_) {
-      unscale.grads_from(masters->grad_sources());  // else in place
-    }
-    if (data_parallel_) {
-      unscale.agree([this](at::Tensor& found) { data_parallel_->agree_step(found, calls_); });
-      if (tensors_.sharded()) {
-        unscale.collective_on(data_parallel_->device());
-        unscale.sum_over_ranks([this](double& sum_of_squares, bool& non_finite) {
-          data_parallel_->sum_over_shards(sum_of_squares, non_finite);
-        });
-      }
-    }
-    // A NaN loss can have finite gradients. On the CPU the check is a read of one float; on a
-    // device it joins the gradients' inf check, without a synchronisation.
-    at::Tensor also_check;
-    if (!loss_sum_.device().is_cpu() || !std::isfinite(loss_sum_.item<double>())) {
-      also_check = loss_sum_;
-    }
-    // fp8: an inf/NaN amax skips the step (a saturating cast would have hidden an inf).
-    if (const auto amaxes = fp8_.pending_amaxes(); amaxes.defined()) {
-      also_check = also_check.defined()
-                       ? at::cat({also_check.reshape({-1}).to(amaxes.options()), amaxes})
-                       : amaxes;
-    }
-    if (also_check.defined()) unscale.also_check(also_check);
-    const auto losses = std::move(loss_sum_);
-    loss_sum_ = at::Tensor();
-    bool stepped = false;
-    try {
-      if (options_.fused_optimizer()) {
-        const auto result = engine_.step_fused(*optimizer_, unscale, [this](const at::Tensor& scale) {
-          fused_adam_step(*optimizer_, scale);
-        });
-        report.grad_norm = result.grad_norm;
-        stepped = result.stepped;
-      } else {
-        report.grad_norm = engine_.unscale_planned(*optimizer_, unscale);
-        stepped = engine_.step(*optimizer_);
-      }
-    } catch (...) {
-      engine_.reset_stages();  // leave the step usable for the next one
-      fp8_.finish_step(/*stepped=*/false);
-      throw;
-    }
-    engine_.reset_stages();
-    scaler_.update_scale(/*found_inf=*/!stepped);
-    fp8_.finish_step(stepped);
-    if (stepped) {
-      if (masters) masters->copy_to_model();
-      // Sharded: each rank stepped its slices; every rank's model gets all of them. A peer lost
-      // here leaves this rank's slices stepped and its model not: restore from a checkpoint.
-      if (tensors_.sharded()) data_parallel_->gather_parameters();
-      // The weights changed: casts cached by an enclosing autocast scope are stale now.
-      at::autocast::clear_cache();
-    }
-    ++counters_.steps;
-    consecutive_skips_ = stepped ? 0 : consecutive_skips_ + 1;
-    if (!stepped) {
-      ++counters_.skipped_steps;
-      report.overflow = tensors_.find_overflow(*model_, losses, data_parallel_ != nullptr);
-    }
-    report.status = stepped ? StepStatus::stepped : StepStatus::skipped;
-    report.step = counters_.steps;
-    notify(report);
-    detail::check_consecutive_skips(options_.max_consecutive_skips(), consecutive_skips_,
-                                    report, scaler_.get_scale());
-    return report;
   }
 
   /// Runs `forward` with every module in eval mode, without grad, in the policy's precision;
@@ -280,7 +148,7 @@ class Trainer {
     at::NoGradGuard no_grad;
     detail::TrainingModeGuard mode(*model_, /*training=*/false);
     const PolicyAutocast<P> guard(tensors_.device_types());
-    return std::invoke(std::forward<Forward>(forward));
+    return detail::run_forward<P>("evaluate()'s forward", forward);
   }
 
   /// A batch in the policy's compute dtype: Low for MixedO2/PureHalf; unchanged for O0/O1 and
@@ -397,6 +265,169 @@ class Trainer {
   }
 
  private:
+  // step() once loss_fn is known to return a loss.
+  template <class LossFn>
+  StepReport run_step(LossFn& loss_fn) {
+    check_not_busy("step");
+    const detail::Busy busy(busy_, "step()'s loss_fn");
+    ++calls_;  // first: a call that throws counts too (DataParallel::agree_step)
+    // The scaler's scale for this step, checked before anything changes (the forward pass
+    // included); the micro-batches of one step share it, as their gradients add up.
+    if (pending_ == 0) {
+      engine_.use_scale(scaler_.get_scale());
+    } else {
+      // Compared as the fp32 values the step uses: a scale like 1000.1 is not an fp32 number.
+      MIXPREC_CHECK(static_cast<float>(scaler_.get_scale()) ==
+                        static_cast<float>(engine_.get_scale()), "the "
+                    "scaler's scale changed from ", engine_.get_scale(), " to ",
+                    scaler_.get_scale(), " between micro-batches of one step: set it between "
+                    "optimizer steps");
+    }
+    // A param group added, or a new optimizer assigned to the one the Trainer holds, is
+    // adopted before the forward pass, which must already see its tensors cast.
+    adopt_optimizer_changes();
+    // Data parallel, as DDP: rank 0's buffers before the first forward of each step.
+    if (pending_ == 0) sync_buffers();
+    buffers_synced_ = false;  // this forward may update them (BatchNorm's running statistics)
+    // No gradient is visible while loss_fn runs: none after the last optimizer step, the
+    // micro-batches' partial sums held aside (a gradient made here is loss_fn's backward()).
+    if (pending_ == 0) tensors_.clear_grads(*optimizer_);
+    at::Tensor loss;
+    std::optional<NonFiniteOp> non_finite_op;
+    {
+      std::optional<NonFiniteOpFinder> finder;
+      if (options_.find_non_finite_op()) finder.emplace();
+      const PolicyAutocast<P> guard(tensors_.device_types());
+      loss = detail::run_forward<P>("step()'s loss_fn", loss_fn);
+      if (finder) non_finite_op = finder->first();
+    }
+    const auto loss32 = detail::checked_loss(loss);
+    check_no_backward_in_loss_fn();
+    // The last step's graph (its saved tensors freed by backward) lives until this forward has
+    // run, as the `loss` variable of a hand-written loop keeps it: the parameters' gradient
+    // accumulators are then reused instead of made anew each step.
+    last_graph_ = loss32;
+    // The partial sums go back where the backward pass adds to them; should anything below
+    // throw, they are held aside again, as between any two calls.
+    tensors_.release_grads();
+    detail::OnUnwind hold_again([this] { tensors_.hold_grads(*optimizer_); });
+    const auto n = options_.accumulation_steps();
+    const auto to_backprop = n > 1 ? loss32 / static_cast<double>(n) : loss32;
+    StepReport report;
+    report.scale = engine_.get_scale();
+    report.non_finite_op = std::move(non_finite_op);
+    // Data parallel: gradients travel during the backward pass of the last micro-batch only.
+    const bool reduce = data_parallel_ && pending_ + 1 == n;
+    if (data_parallel_) {
+      if (reduce && tensors_.trainable_changed()) tensors_.bind(*data_parallel_, *model_);
+      data_parallel_->prepare(reduce, /*first=*/pending_ == 0);
+    }
+    engine_.scale(to_backprop).backward();
+    // The averages land in the holders' gradients: under MixedO2 the fp32 masters', which
+    // then hold the accumulated micro-batches too. Sharded: in the pieces' gradients; the
+    // micro-batches before the last add up in the buckets.
+    if (reduce) {
+      data_parallel_->finish();
+    } else if (data_parallel_) {
+      data_parallel_->accumulate();
+    }
+    // Micro-batch gradients sum in the fp32 master gradients, not in the Low model gradients.
+    auto* const masters = tensors_.masters();
+    if (masters && n > 1 && !reduce) masters->accumulate_grads();
+    report.loss = loss32.detach();
+    loss_sum_ = loss_sum_.defined() ? loss_sum_ + report.loss : report.loss;
+    ++counters_.micro_batches;
+    if (++pending_ < n) {
+      report.step = counters_.steps;
+      notify(report);  // on_step may read the partial sums; the optimizer may not
+      tensors_.hold_grads(*optimizer_);
+      hold_again.dismiss();
+      return report;
+    }
+    hold_again.dismiss();  // from here on an exception leaves the gradients to the next step
+    pending_ = 0;
+    const auto every = options_.gradient_stats().every();
+    if (every > 0 && (counters_.steps + 1) % every == 0) {
+      report.gradient_stats = tensors_.gradient_stats(
+          *model_, counters_.steps + 1, report.scale, options_.gradient_stats().group_depth(),
+          /*in_masters=*/n > 1 || data_parallel_);
+      gradient_stats_ = report.gradient_stats;
+    }
+    detail::UnscalePlan unscale;
+    unscale.max_grad_norm(options_.max_grad_norm());
+    if (masters && n == 1 && !data_parallel_) {
+      unscale.grads_from(masters->grad_sources());  // else in place
+    }
+    if (data_parallel_) {
+      unscale.agree([this](at::Tensor& found) { data_parallel_->agree_step(found, calls_); });
+      if (tensors_.sharded()) {
+        unscale.collective_on(data_parallel_->device());
+        unscale.sum_over_ranks([this](double& sum_of_squares, bool& non_finite) {
+          data_parallel_->sum_over_shards(sum_of_squares, non_finite);
+        });
+      }
+    }
+    // A NaN loss can have finite gradients. On the CPU the check is a read of one float; on a
+    // device it joins the gradients' inf check, without a synchronisation.
+    at::Tensor also_check;
+    if (!loss_sum_.device().is_cpu() || !std::isfinite(loss_sum_.item<double>())) {
+      also_check = loss_sum_;
+    }
+    // fp8: an inf/NaN amax skips the step (a saturating cast would have hidden an inf).
+    if (const auto amaxes = fp8_.pending_amaxes(); amaxes.defined()) {
+      also_check = also_check.defined()
+                       ? at::cat({also_check.reshape({-1}).to(amaxes.options()), amaxes})
+                       : amaxes;
+    }
+    if (also_check.defined()) unscale.also_check(also_check);
+    const auto losses = std::move(loss_sum_);
+    loss_sum_ = at::Tensor();
+    bool stepped = false;
+    try {
+      if (options_.fused_optimizer()) {
+        const auto result = engine_.step_fused(*optimizer_, unscale, [this](const at::Tensor& scale) {
+          fused_adam_step(*optimizer_, scale);
+        });
+        report.grad_norm = result.grad_norm;
+        stepped = result.stepped;
+      } else {
+        report.grad_norm = engine_.unscale_planned(*optimizer_, unscale);
+        stepped = engine_.step(*optimizer_);
+      }
+    } catch (...) {
+      engine_.reset_stages();  // leave the step usable for the next one
+      fp8_.finish_step(/*stepped=*/false);
+      throw;
+    }
+    engine_.reset_stages();
+    scaler_.update_scale(/*found_inf=*/!stepped);
+    fp8_.finish_step(stepped);
+    if (stepped) {
+      if (masters) masters->copy_to_model();
+      // Sharded: each rank stepped its slices; every rank's model gets all of them. A peer lost
+      // here leaves this rank's slices stepped and its model not: restore from a checkpoint.
+      if (tensors_.sharded()) data_parallel_->gather_parameters();
+      // The weights changed: casts cached by an enclosing autocast scope are stale now.
+      at::autocast::clear_cache();
+    }
+    ++counters_.steps;
+    consecutive_skips_ = stepped ? 0 : consecutive_skips_ + 1;
+    if (!stepped) {
+      ++counters_.skipped_steps;
+      report.overflow = tensors_.find_overflow(*model_, losses, data_parallel_ != nullptr);
+    }
+    report.status = stepped ? StepStatus::stepped : StepStatus::skipped;
+    report.step = counters_.steps;
+    notify(report);  // on_step may read the gradients
+    // None stays for an optimizer.step() of the user's to apply a second time (the habit of
+    // Python's `scaler.step(opt); opt.step()`): PyTorch's zero_grad() after the step.
+    tensors_.clear_grads(*optimizer_);
+    detail::check_consecutive_skips(options_.max_consecutive_skips(), consecutive_skips_,
+                                    report, scaler_.get_scale());
+    return report;
+  }
+
+
   // Sharded: the optimizer and masters of an unsharded trainer (detail::consolidate); else none.
   std::optional<detail::ConsolidatedState> consolidated(bool values, bool state) const {
     if (!tensors_.sharded()) return std::nullopt;
@@ -427,13 +458,14 @@ class Trainer {
     if constexpr (detail::fp8_policy<P>) archive.write("mixprec.fp8", c10::IValue(fp8_.state_dict()));
   }
 
-  // load(path) and load(archive): a param group added since the last step is adopted first, as
-  // step() would (the checkpoint of a run that had adopted it holds its masters and state,
-  // which must not be dropped); then the data-parallel vote around `load_checked_with(commit)`.
+  // load(path) and load(archive): a param group added since the last step (or a new optimizer)
+  // is adopted first, as step() would (the checkpoint of a run that had adopted it holds its
+  // masters and state, which must not be dropped); then the data-parallel vote around
+  // `load_checked_with(commit)`.
   template <class Load>
   UserValues load_with(const std::string& source, Load&& load_checked_with) {
     check_not_busy("load");
-    if (tensors_.groups_changed(*optimizer_)) adopt_param_groups();
+    adopt_optimizer_changes();
     return detail::voted_load(data_parallel_.get(), source, [&](auto& commit) {
       return detail::checked_or_error(source, [&] { return load_checked_with(commit); });
     });
@@ -492,12 +524,34 @@ class Trainer {
     buffers_synced_ = true;
   }
 
-  void adopt_param_groups() {
-    MIXPREC_CHECK(pending_ == 0, "the optimizer's param groups changed in the middle of an "
+  // The optimizer's tensors or options as the Trainer bound them, or adopted now (TrainedTensors:
+  // adopt): never an optimizer step of tensors the Trainer did not bind.
+  void adopt_optimizer_changes() {
+    using Change = typename detail::TrainedTensors<P>::Change;
+    const auto change = tensors_.binding_change(*optimizer_);
+    if (change == Change::none) return;
+    if (change == Change::options) {
+      tensors_.adopt_options(*optimizer_);
+      return;
+    }
+    MIXPREC_CHECK(pending_ == 0, "the optimizer's tensors changed in the middle of an "
                   "accumulation (", pending_, " of ", options_.accumulation_steps(),
-                  " micro-batches): add param groups between optimizer steps");
+                  " micro-batches): add param groups or assign a new optimizer between "
+                  "optimizer steps");
     tensors_.adopt(*model_, *optimizer_);
     if (data_parallel_) tensors_.bind(*data_parallel_, *model_);  // the new masters' averages
+  }
+
+  // After loss_fn: with every gradient cleared or held aside before it ran, a model tensor
+  // with a gradient now means that loss_fn ran a backward pass itself, which the Trainer's own
+  // (scaled) one would add to, or fail on ("backward through the graph a second time").
+  void check_no_backward_in_loss_fn() {
+    const auto name = tensors_.first_with_grad(*model_);
+    if (name.empty()) return;
+    tensors_.clear_model_grads();  // the partial sums of earlier micro-batches stay held
+    detail::fail("loss_fn ran a backward pass itself (parameter '", name, "' has a gradient "
+                 "after it): return the loss and let the Trainer run backward(), which scales "
+                 "it for ", P::name, ", accumulates and steps. Nothing was stepped");
   }
 
   void notify(const StepReport& report) const {
@@ -541,4 +595,57 @@ torch::serialize::InputArchive& operator>>(torch::serialize::InputArchive& archi
   return archive;
 }
 
+namespace detail {
+
+// How torch::load/save's arguments name what they read or write: a path, or a stream.
+template <class First, class... Rest>
+std::string archive_source(const First& first, const Rest&...) {
+  if constexpr (std::is_convertible_v<const First&, std::string_view>) {
+    return "'" + std::string(std::string_view(first)) + "'";
+  } else {
+    return "the stream";
+  }
+}
+
+// Runs LibTorch's archive I/O; what it throws about the user's file becomes a mixprec::Error.
+template <class Io>
+void archive_io(const char* call, bool reading, const std::string& source, Io&& io) {
+  try {
+    io();
+  } catch (const Error&) {
+    throw;
+  } catch (const std::exception& e) {
+    fail(call, ": cannot ", reading ? "read " : "write ", source, " as a Trainer "
+         "archive (missing, truncated or corrupt file, or no space): ", message_of(e),
+         "; nothing was changed");
+  }
+}
+
+}  // namespace detail
 }  // namespace mixprec
+
+namespace torch {
+
+/// `torch::load(trainer, path)`: LibTorch's, with a file it cannot read (missing, truncated,
+/// corrupt) a mixprec::Error as Trainer::load(path) gives, the trainer unchanged. More
+/// specialised than LibTorch's template, so overload resolution picks it for a Trainer.
+template <class P, class... LoadFromArgs>
+void load(mixprec::Trainer<P>& trainer, LoadFromArgs&&... args) {
+  serialize::InputArchive archive;
+  mixprec::detail::archive_io("torch::load(trainer, ...)", /*reading=*/true,
+                              mixprec::detail::archive_source(args...),
+                              [&] { archive.load_from(std::forward<LoadFromArgs>(args)...); });
+  archive >> trainer;
+}
+
+/// `torch::save(trainer, path)`: LibTorch's, with a failed write a mixprec::Error.
+template <class P, class... SaveToArgs>
+void save(const mixprec::Trainer<P>& trainer, SaveToArgs&&... args) {
+  serialize::OutputArchive archive(std::make_shared<jit::CompilationUnit>());
+  archive << trainer;
+  mixprec::detail::archive_io("torch::save(trainer, ...)", /*reading=*/false,
+                              mixprec::detail::archive_source(args...),
+                              [&] { archive.save_to(std::forward<SaveToArgs>(args)...); });
+}
+
+}  // namespace torch

@@ -7,6 +7,9 @@
 #include <mixprec/detail/tensor_set.hpp>
 #include <mixprec/error.hpp>
 
+#include <c10/core/TensorImpl.h>
+#include <c10/core/UndefinedTensorImpl.h>
+#include <c10/util/intrusive_ptr.h>
 #include <torch/nn/module.h>
 #include <torch/nn/modules/batchnorm.h>
 #include <torch/nn/modules/embedding.h>
@@ -132,13 +135,52 @@ inline void check_precision_map(const torch::nn::Module& model, std::string_view
   }
 }
 
+/// The parameters that a Trainer cast, with its policy: the model stays cast after that Trainer
+/// is gone, and a later Trainer on it says so instead of asking the user to undo a cast they
+/// never made. Weak references tell a live tensor from a new one at a freed one's address.
+class CastRecord {
+ public:
+  static void add(const at::Tensor& p, std::string_view policy) {
+    auto& r = instance();
+    std::lock_guard<std::mutex> lock(r.mutex);
+    std::erase_if(r.entries, [](const auto& entry) { return entry.second.tensor.expired(); });
+    r.entries.insert_or_assign(p.unsafeGetTensorImpl(),
+                               Entry{Weak(p.getIntrusivePtr()), std::string(policy)});
+  }
+  /// The policy of the Trainer that cast `p`, if one did.
+  static std::optional<std::string> policy_of(const at::Tensor& p) {
+    auto& r = instance();
+    std::lock_guard<std::mutex> lock(r.mutex);
+    const auto it = r.entries.find(p.unsafeGetTensorImpl());
+    if (it == r.entries.end() || it->second.tensor.lock().get() != p.unsafeGetTensorImpl()) {
+      return std::nullopt;
+    }
+    return it->second.policy;
+  }
+
+ private:
+  using Weak = c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>;
+  struct Entry {
+    Weak tensor;
+    std::string policy;
+  };
+  struct Registry {
+    std::mutex mutex;
+    std::unordered_map<const void*, Entry> entries;
+  };
+  static Registry& instance() {
+    static Registry registry;
+    return registry;
+  }
+};
+
 /// Casts every floating parameter and buffer of `model` to `dtype`, except BatchNorm's when
 /// `keep_batch_norm_fp32` and those of the modules a precision map keeps in fp32; with `only`,
 /// just those of its parameters that are fp32 (a param group added after construction).
 /// Tensors keep their identity (set_data), so optimizers built on model->parameters() still
-/// point at them.
+/// point at them. `policy`: the Trainer's, recorded with each parameter it casts (CastRecord).
 inline void cast_model(torch::nn::Module& model, at::ScalarType dtype, bool keep_batch_norm_fp32,
-                       const std::vector<at::Tensor>* only = nullptr) {
+                       std::string_view policy, const std::vector<at::Tensor>* only = nullptr) {
   const auto selected = only != nullptr ? identities(*only) : std::unordered_set<const void*>{};
   auto& registry = PrecisionRegistry::instance();
   for (const auto& module : model.modules(/*include_self=*/true)) {
@@ -153,6 +195,7 @@ inline void cast_model(torch::nn::Module& model, at::ScalarType dtype, bool keep
         p.set_data(p.data().to(dtype));
         // A gradient left from before would stay fp32 and have every later one added into it.
         p.mutable_grad() = at::Tensor();
+        CastRecord::add(p, policy);
       }
     }
     if (only != nullptr) continue;

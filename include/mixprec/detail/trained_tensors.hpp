@@ -41,9 +41,20 @@ class TrainedTensors {
     claim_ = ModelClaim::acquire(params, P::name);
     for (const auto& item : named) {
       const auto dtype = item.value().scalar_type();
-      MIXPREC_CHECK(!at::isFloatingType(dtype) || dtype == at::kFloat, "parameter '", item.key(),
-                    "' is ", dtype, ", but Trainer<", P::name, "> expects an fp32 model and "
-                    "casts it itself: build the model in fp32 (drop the ->to(", dtype, "))");
+      if (at::isFloatingType(dtype) && dtype != at::kFloat) {
+        if (const auto cast_by = CastRecord::policy_of(item.value())) {
+          fail("parameter '", item.key(), "' is ", dtype, " because an earlier Trainer<",
+               *cast_by, "> cast this model (a Trainer casts its model in place, and it stays "
+               "cast after that Trainer is gone). Keep training with one Trainer (assign a new "
+               "optimizer to its optimizer to change the learning rate or reset the state: it "
+               "adopts it), or give the new Trainer an fp32 model: keep the first Trainer's "
+               "fp32_state_dict() (its exact fp32 weights) before it goes, and load it into "
+               "the model after model->to(torch::kFloat)");
+        }
+        fail("parameter '", item.key(), "' is ", dtype, ", but Trainer<", P::name, "> expects "
+             "an fp32 model and casts it itself: build the model in fp32 (drop the ->to(",
+             dtype, "))");
+      }
       const auto device = item.value().device();
       MIXPREC_CHECK(device.is_cpu() || device.is_cuda(), "parameter '", item.key(), "' is on ",
                     device, ", but Trainer<", P::name, "> trains CPU and CUDA tensors (autocast "
@@ -76,27 +87,56 @@ class TrainedTensors {
       if constexpr (P::master_weights) {
         for (const auto& p : params_) fp32_values.push_back(p.detach().clone());
       }
-      cast_model(model, P::low_dtype, P::keep_batch_norm_fp32);
+      cast_model(model, P::low_dtype, P::keep_batch_norm_fp32, P::name);
       if constexpr (P::master_weights) masters_.emplace(params_, fp32_values, optimizer);
     }
     dedupe_param_groups(optimizer);  // the optimizer steps each tensor once
     // Adagrad's state, made by its constructor, fits the cast tensors (the masters' in bind).
     if constexpr (!P::master_weights) fit_construction_state(optimizer);
-    group_sizes_ = group_sizes(optimizer);
+    record_binding(optimizer);
   }
 
-  /// Whether param groups were added since the last refresh (a cheap comparison of sizes).
-  bool groups_changed(const torch::optim::Optimizer& optimizer) const {
-    return !same_group_sizes(optimizer, group_sizes_);
+  /// What changed in the optimizer since the Trainer bound it: nothing; only a param group's
+  /// options (a new optimizer over the same tensors, under the policies without masters); or
+  /// the tensors it steps (a param group added, a tensor replaced, a new optimizer assigned to
+  /// the Trainer's optimizer variable). A comparison of identities, cheap enough for every step:
+  /// an optimizer must never step tensors the Trainer did not bind (under MixedO2 a new
+  /// optimizer over model->parameters() would step the bf16 model and not its masters).
+  enum class Change { none, options, tensors };
+  Change binding_change(const torch::optim::Optimizer& optimizer) const {
+    const auto& groups = optimizer.param_groups();
+    if (groups.size() != bound_options_.size()) return Change::tensors;
+    auto change = Change::none;
+    std::size_t k = 0;
+    for (std::size_t g = 0; g < groups.size(); ++g) {
+      for (const auto& p : groups[g].params()) {
+        if (k == bound_.size() || id_of(p) != bound_[k++]) return Change::tensors;
+      }
+      if (k != bound_ends_[g]) return Change::tensors;
+      if (&groups[g].options() != bound_options_[g]) change = Change::options;
+    }
+    return change;
   }
 
-  /// A param group added after construction (progressive unfreezing): checked as the
-  /// constructor checks the optimizer, its fp32 tensors cast per P, masters made from their
-  /// current values under MixedO2. Nothing changes unless all of it can be done.
+  /// A new optimizer over the same tensors (its options are new): checked as the constructor
+  /// checks one, then bound.
+  void adopt_options(const torch::optim::Optimizer& optimizer) {
+    check_optimizer_constants<P>(optimizer);
+    record_binding(optimizer);
+  }
+
+  /// The optimizer's tensors changed since the last refresh: a param group added after
+  /// construction (progressive unfreezing), or a new optimizer over model->parameters()
+  /// assigned to the Trainer's optimizer (a new learning rate, a reset of its state). Checked
+  /// as the constructor checks the optimizer; under MixedO2 a model tensor that has a master
+  /// is replaced by its master (the fp32 value the run has been training, not its bf16
+  /// rounding), new fp32 tensors are cast per P and get masters from their current values.
+  /// Nothing changes unless all of it can be done.
   void adopt(torch::nn::Module& model, torch::optim::Optimizer& optimizer) {
     check_optimizer_constants<P>(optimizer);  // a late group's eps, too
     const auto params = unique_tensors(model.parameters());
     if (shards_ != nullptr) {
+      check_pieces_kept(optimizer);
       // The model tensors among the optimizer's (the others are pieces, or an Error of shard()).
       const auto ids = identities(params);
       std::vector<at::Tensor> fresh;
@@ -119,7 +159,11 @@ class TrainedTensors {
     }
     const auto fresh = masters_ ? masters_->unbound(optimizer)
                                 : unique_tensors(optimizer_tensors(optimizer));
-    check_fp32(fresh);
+    std::vector<at::Tensor> fresh_fp32;  // the tensors to cast: not those the model has cast
+    for (const auto& p : fresh) {
+      if (!masters_ || p.scalar_type() == at::kFloat) fresh_fp32.push_back(p);
+    }
+    check_fp32(fresh_fp32);
     if (masters_) check_dense_gradients(model, fresh, P::name);
     auto claim = ModelClaim::acquire(params, P::name, claim_.get());
     auto device_types = autocast_device_types(params);
@@ -130,12 +174,14 @@ class TrainedTensors {
     if (masters_) {
       for (const auto& p : fresh) fp32_values.push_back(p.detach().to(at::kFloat).clone());
     }
-    if constexpr (P::cast_model) cast_model(model, P::low_dtype, P::keep_batch_norm_fp32, &fresh);
+    if constexpr (P::cast_model) {
+      cast_model(model, P::low_dtype, P::keep_batch_norm_fp32, P::name, &fresh);
+    }
     if (masters_) masters_->bind(fresh, fp32_values, optimizer);
     dedupe_param_groups(optimizer);
     if (!masters_) fit_construction_state(optimizer);  // Adagrad: the new group's state
     params_ = params;
-    group_sizes_ = group_sizes(optimizer);
+    record_binding(optimizer);
   }
 
   /// Whether the optimizer holds this rank's pieces (sharded data parallel).
@@ -151,12 +197,52 @@ class TrainedTensors {
 
   /// PyTorch's zero_grad(set_to_none=True), its default: a tensor the next step does not reach
   /// keeps no gradient, and the optimizer skips it (Adam's moments and weight decay do not move
-  /// it). The model's tensors and, under MixedO2, the masters the optimizer holds.
-  void clear_grads(const torch::optim::Optimizer& optimizer) const {
+  /// it). The model's tensors, the optimizer's (masters, sharded pieces) and every master. Done
+  /// after each optimizer step too: a stray optimizer.step() of the user's (the habit of
+  /// Python's `scaler.step(opt)`) then finds no gradient to apply a second time.
+  void clear_grads(const torch::optim::Optimizer& optimizer) {
+    held_.clear();
     detail::clear_grads(params_);
-    if (masters_) {
-      for (const auto& group : optimizer.param_groups()) detail::clear_grads(group.params());
+    for (const auto& group : optimizer.param_groups()) detail::clear_grads(group.params());
+    if (masters_) detail::clear_grads(masters_->masters());
+  }
+
+  /// The model tensors' gradients only.
+  void clear_model_grads() const { detail::clear_grads(params_); }
+
+  /// Between the micro-batches of an accumulation the partial sums are held here, out of the
+  /// tensors' .grad(), where an optimizer.step() outside the Trainer would apply them; release()
+  /// puts them back before the next backward pass adds to them. Moves handles, copies nothing.
+  void hold_grads(const torch::optim::Optimizer& optimizer) {
+    const auto hold = [this](const at::Tensor& t) {
+      if (!t.grad().defined()) return;
+      held_.emplace_back(t, t.grad());
+      t.mutable_grad().reset();
+    };
+    for (const auto& p : params_) hold(p);
+    for (const auto& group : optimizer.param_groups()) {
+      for (const auto& p : group.params()) hold(p);
     }
+    if (masters_) {
+      for (const auto& m : masters_->masters()) hold(m);
+    }
+  }
+  void release_grads() {
+    for (auto& [tensor, grad] : held_) tensor.mutable_grad() = std::move(grad);
+    held_.clear();
+  }
+
+  /// The name of a model parameter that has a gradient, or empty: after loss_fn, with every
+  /// gradient cleared or held before it, one means that loss_fn ran a backward pass itself.
+  std::string first_with_grad(const torch::nn::Module& model) const {
+    for (const auto& p : params_) {
+      if (!p.grad().defined()) continue;
+      for (const auto& item : model.named_parameters()) {
+        if (item.value().is_same(p)) return item.key();
+      }
+      return "?";
+    }
+    return {};
   }
 
   /// Whether a parameter has been frozen or unfrozen since bind().
@@ -246,6 +332,40 @@ class TrainedTensors {
   }
 
  private:
+  // What binding_change() compares against: every tensor the optimizer holds, by identity, the
+  // end of each group among them, and each group's options object.
+  void record_binding(const torch::optim::Optimizer& optimizer) {
+    bound_.clear();
+    bound_ends_.clear();
+    bound_options_.clear();
+    for (const auto& group : optimizer.param_groups()) {
+      for (const auto& p : group.params()) bound_.push_back(id_of(p));
+      bound_ends_.push_back(bound_.size());
+      bound_options_.push_back(&group.options());
+    }
+  }
+
+  // Sharded: the optimizer still holds every piece this rank steps, in its group (a new
+  // optimizer would hold model tensors instead, which would have to be laid out again).
+  void check_pieces_kept(const torch::optim::Optimizer& optimizer) const {
+    const auto& groups = optimizer.param_groups();
+    bool kept = groups.size() >= bound_ends_.size();
+    std::size_t k = 0;
+    for (std::size_t g = 0; kept && g < bound_ends_.size(); ++g) {
+      const auto& params = groups[g].params();
+      const auto count = bound_ends_[g] - k;
+      kept = params.size() >= count;
+      for (std::size_t i = 0; kept && i < count; ++i) kept = id_of(params[i]) == bound_[k + i];
+      k = bound_ends_[g];
+    }
+    MIXPREC_CHECK(kept, "the optimizer no longer holds the tensors the Trainer bound (a new "
+                  "optimizer was assigned to it, or a param group's tensors were replaced): "
+                  "with DistributedOptions::shard_optimizer_state each rank's optimizer holds "
+                  "its slices, which a new optimizer cannot take over; change the options of "
+                  "its param groups instead (e.g. the learning rate), or save, build a new "
+                  "Trainer with a new optimizer and load");
+  }
+
   void check_fp32(const std::vector<at::Tensor>& fresh) const {
     for (const auto& p : fresh) {
       const auto dtype = p.scalar_type();
@@ -266,17 +386,21 @@ class TrainedTensors {
       pairs.emplace_back(p, P::master_weights ? p.detach() : at::Tensor());
     }
     if constexpr (P::cast_model) {
-      cast_model(model, P::low_dtype, P::keep_batch_norm_fp32, whole ? nullptr : &fresh);
+      cast_model(model, P::low_dtype, P::keep_batch_norm_fp32, P::name,
+                 whole ? nullptr : &fresh);
     }
     dedupe_param_groups(optimizer);
     shards_->shard(optimizer, pairs, P::master_weights);
-    group_sizes_ = group_sizes(optimizer);
+    record_binding(optimizer);
   }
 
   StepGroup* shards_ = nullptr;              // sharded data parallel: the group
   std::shared_ptr<ModelClaim> claim_;        // no other Trainer may train the model meanwhile
   std::vector<at::Tensor> params_;           // model.parameters(), each tensor once
-  std::vector<std::size_t> group_sizes_;     // the optimizer's groups when params_ was made
+  std::vector<TensorId> bound_;              // the optimizer's tensors, as bound
+  std::vector<std::size_t> bound_ends_;      // each group's end in bound_
+  std::vector<const void*> bound_options_;   // each group's options object
+  std::vector<std::pair<at::Tensor, at::Tensor>> held_;  // hold_grads(): (tensor, gradient)
   std::optional<MasterWeights> masters_;     // MixedO2
   std::vector<c10::DeviceType> device_types_;
   std::vector<TensorId> trainable_;          // the tensors data parallel averages (bind)

@@ -12,6 +12,7 @@
 #include <mixprec/scaler.hpp>
 #include <mixprec/trainer_options.hpp>
 
+#include <c10/util/Exception.h>
 #include <c10/util/Half.h>
 #include <torch/nn/module.h>
 #include <torch/optim/adagrad.h>
@@ -21,12 +22,17 @@
 #include <torch/optim/rmsprop.h>
 
 #include <atomic>
+#include <cctype>
 #include <cmath>
+#include <exception>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <sstream>
 #include <string>
+#include <string_view>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace mixprec {
@@ -204,6 +210,36 @@ void warn_slow_fp16_convolutions(const torch::nn::Module& model, const TrainerOp
   }
 }
 
+// What step() takes: a callable with no arguments that returns the loss as a tensor.
+template <class LossFn>
+constexpr bool returns_loss_impl() {
+  if constexpr (std::is_invocable_v<LossFn&>) {
+    return std::is_convertible_v<std::invoke_result_t<LossFn&>, at::Tensor>;
+  } else {
+    return false;
+  }
+}
+template <class LossFn>
+inline constexpr bool returns_loss = returns_loss_impl<LossFn>();
+
+// Runs `action` when the scope is left by an exception, unless dismissed.
+template <class Action>
+class OnUnwind {
+ public:
+  explicit OnUnwind(Action action) : action_(std::move(action)) {}
+  ~OnUnwind() {
+    if (armed_ && std::uncaught_exceptions() > uncaught_) action_();
+  }
+  OnUnwind(const OnUnwind&) = delete;
+  OnUnwind& operator=(const OnUnwind&) = delete;
+  void dismiss() noexcept { armed_ = false; }
+
+ private:
+  Action action_;
+  int uncaught_ = std::uncaught_exceptions();
+  bool armed_ = true;
+};
+
 // What is running the user's code (step()'s loss_fn, evaluate()'s forward), if anything: a
 // Trainer call from inside it would step, save or load in the middle of a step.
 struct Busy {
@@ -213,6 +249,57 @@ struct Busy {
   Busy& operator=(const Busy&) = delete;
   const char*& slot_;
 };
+
+// Whether a LibTorch message speaks of fp32 and `low` together (or of a "mixed dtype"), in any
+// of the spellings its kernels use: Float, float, float32, FloatTensor against BFloat16,
+// bfloat16, CPUBFloat16Type, Half, float16, HalfTensor.
+inline bool mixes_fp32_with(std::string_view message, c10::ScalarType low) {
+  bool fp32 = false, other = message.find("mixed dtype") != std::string_view::npos;
+  std::size_t i = 0;
+  while (i < message.size()) {
+    std::size_t j = i;
+    while (j < message.size() && (std::isalnum(static_cast<unsigned char>(message[j])) != 0)) ++j;
+    if (j == i) {
+      ++i;
+      continue;
+    }
+    std::string word(message.substr(i, j - i));
+    for (auto& c : word) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+    fp32 = fp32 || word == "float" || word == "float32" || word == "floattensor" ||
+           word == "cpufloattype";
+    if (low == c10::ScalarType::BFloat16) {
+      other = other || word.find("bfloat16") != std::string::npos;
+    } else {
+      other = other || word == "half" || word == "float16" || word == "halftensor" ||
+              word == "cpuhalftype";
+    }
+    i = j;
+  }
+  return fp32 && other;
+}
+
+// Runs the user's forward (step()'s loss_fn, evaluate()'s forward). Under a policy that casts
+// the model, a LibTorch error that mixes fp32 with the low dtype is nearly always a floating
+// input that did not go through cast_input(): the Error says so, LibTorch's message after it.
+template <class P, class Fn>
+decltype(auto) run_forward(std::string_view what, Fn&& fn) {
+  if constexpr (!P::cast_model) {
+    return std::invoke(std::forward<Fn>(fn));
+  } else {
+    try {
+      return std::invoke(std::forward<Fn>(fn));
+    } catch (const c10::Error& e) {
+      const std::string message = e.what_without_backtrace();
+      if (!mixes_fp32_with(message, P::low_dtype)) throw;
+      const char* low = c10::toString(P::low_dtype);
+      fail(what, " mixed fp32 and ", low, " tensors. ", P::name, " keeps the model's parameters "
+           "in ", low, ", so its floating inputs must be ", low, " too: pass each one through "
+           "trainer.cast_input(x) (integer tensors such as labels and token ids pass unchanged), "
+           "and make tensors created inside the forward (torch::zeros, a float mask) in the "
+           "model's dtype. LibTorch said: ", message);
+    }
+  }
+}
 
 // The loss that loss_fn returned, as the fp32 scalar the step scales: a bf16/fp16 loss times
 // 65536 loses digits or overflows.

@@ -1,0 +1,279 @@
+// A Python user's habits, each a test case (STYLE.md): a new optimizer assigned to the Trainer's
+// optimizer variable, `opt.step()` after the framework's step, `backward()` inside the loss
+// function, inputs not cast, a second Trainer on a model the first one cast. Each works as in
+// Python or is an Error that names the fix.
+#include <mixprec/mixprec.hpp>
+
+#include "scaled_policy.hpp"
+#include "support.hpp"
+
+#include <torch/torch.h>
+
+#include <doctest/doctest.h>
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace mp = mixprec;
+
+namespace {
+
+using test::ScaledO2;
+
+// No BatchNorm or dropout: a refused call's forward pass then changes nothing either.
+struct Mlp : torch::nn::Module {
+  Mlp() {
+    fc1 = register_module("fc1", torch::nn::Linear(12, 16));
+    fc2 = register_module("fc2", torch::nn::Linear(16, 3));
+  }
+  at::Tensor forward(const at::Tensor& x) { return fc2->forward(torch::tanh(fc1->forward(x))); }
+  torch::nn::Linear fc1{nullptr}, fc2{nullptr};
+};
+
+struct Data {
+  at::Tensor x, y;
+  Data() {
+    torch::manual_seed(7);
+    x = torch::randn({64, 12});
+    y = x.slice(1, 0, 3).argmax(1);
+  }
+  at::Tensor xs(std::int64_t i) const { return x.slice(0, 16 * (i % 4), 16 * (i % 4 + 1)); }
+  at::Tensor ys(std::int64_t i) const { return y.slice(0, 16 * (i % 4), 16 * (i % 4 + 1)); }
+};
+
+// A model, an AdamW and a Trainer<P> over them, from one seed.
+template <class P>
+struct Run {
+  std::shared_ptr<Mlp> net;
+  torch::optim::AdamW opt;
+  mp::Trainer<P> trainer;
+  Data data;
+  explicit Run(mp::TrainerOptions options = {}, double lr = 1e-2)
+      : net((torch::manual_seed(3), std::make_shared<Mlp>())),
+        opt(net->parameters(), torch::optim::AdamWOptions(lr)),
+        trainer(net, opt, std::move(options)) {}
+  mp::StepReport step(std::int64_t i) {
+    return trainer.step([&, i] {
+      return torch::nn::functional::cross_entropy(net->forward(trainer.cast_input(data.xs(i))),
+                                                  data.ys(i));
+    });
+  }
+  // What the run trains: the model's tensors and, under MixedO2, the masters.
+  std::vector<at::Tensor> state() const {
+    auto tensors = test::snapshot(net->parameters());
+    for (const auto& m : test::snapshot(trainer.master_weights())) tensors.push_back(m);
+    return tensors;
+  }
+};
+
+}  // namespace
+
+TEST_CASE_TEMPLATE("a new optimizer assigned to the Trainer's is adopted: it trains as the old one reset would",
+                   P, mp::FullPrecision, mp::MixedO1<at::BFloat16>, mp::MixedO2<at::BFloat16>,
+                   mp::PureHalf<at::BFloat16>, ScaledO2) {
+  // The habit: `opt = AdamW(model.parameters(), lr=...)` to change the learning rate or reset
+  // the optimizer. Its reference: the same run with the old optimizer's state cleared and its
+  // lr set in place, which the Trainer has always stepped correctly.
+  Run<P> assigned, reset;
+  for (std::int64_t i = 0; i < 3; ++i) {
+    REQUIRE(assigned.step(i).stepped());
+    REQUIRE(reset.step(i).stepped());
+  }
+  const auto before = assigned.state();
+  assigned.opt = torch::optim::AdamW(assigned.net->parameters(), torch::optim::AdamWOptions(3e-2));
+  reset.opt.state().clear();
+  static_cast<torch::optim::AdamWOptions&>(reset.opt.param_groups()[0].options()).lr(3e-2);
+  for (std::int64_t i = 3; i < 8; ++i) {
+    REQUIRE(assigned.step(i).stepped());
+    REQUIRE(reset.step(i).stepped());
+  }
+  INFO("largest difference ", test::max_abs_diff(assigned.state(), reset.state()));
+  CHECK(test::identical(assigned.state(), reset.state()));
+  CHECK_FALSE(test::identical(assigned.state(), before));  // it trained
+  if constexpr (P::master_weights) {
+    // The optimizer steps the fp32 masters, never the bf16 model.
+    for (const auto& group : assigned.opt.param_groups()) {
+      for (const auto& p : group.params()) CHECK(p.scalar_type() == at::kFloat);
+    }
+  }
+}
+
+TEST_CASE("a new optimizer keeps the run's fp32 masters, not the model's bf16 rounding of them") {
+  Run<mp::MixedO2<at::BFloat16>> run;
+  for (std::int64_t i = 0; i < 3; ++i) REQUIRE(run.step(i).stepped());
+  const auto masters = test::snapshot(run.trainer.master_weights());
+  run.opt = torch::optim::AdamW(run.net->parameters(), torch::optim::AdamWOptions(0.0));  // lr 0
+  REQUIRE(run.step(3).stepped());
+  CHECK(test::identical(test::snapshot(run.trainer.master_weights()), masters));
+}
+
+TEST_CASE("a new optimizer that stepped the model itself, or holds other tensors, is an Error that changes nothing") {
+  Run<mp::MixedO2<at::BFloat16>> run;
+  REQUIRE(run.step(0).stepped());
+  const auto before = run.state();
+  SUBCASE("it has state for the bf16 model") {
+    run.opt = torch::optim::AdamW(run.net->parameters(), torch::optim::AdamWOptions(1e-2));
+    run.net->forward(run.trainer.cast_input(run.data.xs(0))).sum().backward();
+    run.opt.step();  // steps the bf16 weights: the state is theirs now
+    const auto stepped = run.state();
+    CHECK_THROWS_WITH_AS(run.step(1), doctest::Contains("has state for it"), mp::Error);
+    CHECK(test::identical(run.state(), stepped));
+  }
+  SUBCASE("it holds a tensor that is not the model's") {
+    auto stranger = torch::zeros({3}, torch::requires_grad());
+    run.opt = torch::optim::AdamW(std::vector<at::Tensor>{stranger}, torch::optim::AdamWOptions(1e-2));
+    CHECK_THROWS_WITH_AS(run.step(1), doctest::Contains("not a parameter of the model"), mp::Error);
+    CHECK(test::identical(run.state(), before));
+  }
+  SUBCASE("in the middle of an accumulation") {
+    Run<mp::MixedO2<at::BFloat16>> acc(mp::TrainerOptions().accumulation_steps(2));
+    REQUIRE(acc.step(0).status == mp::StepStatus::accumulating);
+    const auto held = acc.state();
+    acc.opt = torch::optim::AdamW(acc.net->parameters(), torch::optim::AdamWOptions(1e-2));
+    CHECK_THROWS_WITH_AS(acc.step(1), doctest::Contains("middle of an accumulation"), mp::Error);
+    CHECK(test::identical(acc.state(), held));
+  }
+}
+
+TEST_CASE("PureHalf<Half>: a new optimizer's eps is checked as the first one's" *
+          doctest::skip(!mp::cpu_half_math)) {
+  auto net = (torch::manual_seed(3), std::make_shared<Mlp>());
+  torch::optim::AdamW opt(net->parameters(), torch::optim::AdamWOptions(1e-3).eps(1e-4));
+  mp::Trainer<mp::PureHalf<at::Half>> trainer(net, opt);
+  const Data data;
+  const auto step = [&] {
+    return trainer.step([&] {
+      return torch::nn::functional::cross_entropy(net->forward(trainer.cast_input(data.xs(0))),
+                                                  data.ys(0));
+    });
+  };
+  REQUIRE(step().stepped());
+  const auto before = test::snapshot(net->parameters());
+  opt = torch::optim::AdamW(net->parameters(), torch::optim::AdamWOptions(1e-3));  // eps 1e-8
+  CHECK_THROWS_WITH_AS(step(), doctest::Contains("is 0 in fp16"), mp::Error);
+  CHECK(test::identical(test::snapshot(net->parameters()), before));
+}
+
+TEST_CASE_TEMPLATE("optimizer.step() after trainer.step() applies nothing a second time", P,
+                   mp::FullPrecision, mp::MixedO1<at::BFloat16>, mp::MixedO2<at::BFloat16>,
+                   mp::PureHalf<at::BFloat16>, ScaledO2) {
+  // The habit of Python's `scaler.step(opt); scaler.update()` followed by `opt.step()`. The
+  // reference: the same run without the stray calls, bit for bit, also while accumulating.
+  for (const std::int64_t accumulation : {1, 2}) {
+    CAPTURE(accumulation);
+    const auto options = mp::TrainerOptions().accumulation_steps(accumulation);
+    Run<P> stray(options), clean(options);
+    bool read_in_on_step = false;
+    Run<P> observed(mp::TrainerOptions(options).on_step([&](const mp::StepReport& report) {
+      if (!report.stepped()) return;
+      // Diagnostics that read the gradients do so here, before they are cleared: the model's,
+      // or under MixedO2 with accumulation the masters', which hold the sum.
+      bool all = true;
+      const bool in_masters = P::master_weights && accumulation > 1;
+      for (const auto& p : in_masters ? observed.trainer.master_weights() : observed.net->parameters()) {
+        all = all && p.grad().defined();
+      }
+      read_in_on_step = all;
+    }));
+    for (std::int64_t i = 0; i < 6; ++i) {
+      const auto report = stray.step(i);
+      REQUIRE(report.status != mp::StepStatus::skipped);
+      REQUIRE(clean.step(i).status == report.status);
+      observed.step(i);
+      const auto before = stray.state();
+      stray.opt.step();
+      INFO("micro-batch ", i, ", largest change ", test::max_abs_diff(stray.state(), before));
+      CHECK(test::identical(stray.state(), before));
+    }
+    CHECK(test::identical(stray.state(), clean.state()));
+    CHECK(read_in_on_step);
+  }
+}
+
+TEST_CASE_TEMPLATE("loss_fn that runs backward() itself is an Error, even where the second backward would succeed",
+                   P, mp::FullPrecision, mp::MixedO1<at::BFloat16>, mp::MixedO2<at::BFloat16>,
+                   ScaledO2) {
+  Run<P> run(mp::TrainerOptions().accumulation_steps(2));
+  REQUIRE(run.step(0).status == mp::StepStatus::accumulating);
+  const auto before = run.state();
+  for (const bool retain : {false, true}) {
+    CAPTURE(retain);
+    // retain_graph: the Trainer's own backward would succeed and add the gradients twice.
+    CHECK_THROWS_WITH_AS(run.trainer.step([&] {
+      auto loss = torch::nn::functional::cross_entropy(
+          run.net->forward(run.trainer.cast_input(run.data.xs(1))), run.data.ys(1));
+      loss.backward({}, /*retain_graph=*/retain);
+      return loss;
+    }), doctest::Contains("loss_fn ran a backward pass itself"), mp::Error);
+    CHECK(test::identical(run.state(), before));
+  }
+  // The accumulation goes on as if the bad calls had not been made.
+  Run<P> clean(mp::TrainerOptions().accumulation_steps(2));
+  REQUIRE(clean.step(0).status == mp::StepStatus::accumulating);
+  REQUIRE(run.step(1).stepped());
+  REQUIRE(clean.step(1).stepped());
+  CHECK(test::identical(run.state(), clean.state()));
+}
+
+TEST_CASE_TEMPLATE("an input not passed through cast_input is an Error naming cast_input, in step() and evaluate()",
+                   P, mp::MixedO2<at::BFloat16>, mp::PureHalf<at::BFloat16>) {
+  torch::manual_seed(5);
+  auto conv = torch::nn::Sequential(torch::nn::Conv2d(torch::nn::Conv2dOptions(3, 4, 3)),
+                                    torch::nn::Flatten(), torch::nn::Linear(4 * 4 * 4, 2));
+  torch::optim::SGD sgd(conv->parameters(), 0.1);
+  mp::Trainer<P> trainer(conv, sgd);
+  const auto x = torch::randn({2, 3, 6, 6});
+  const auto before = test::snapshot(conv->parameters());
+  CHECK_THROWS_WITH_AS(trainer.step([&] { return conv->forward(x).sum(); }),
+                       doctest::Contains("trainer.cast_input(x)"), mp::Error);
+  CHECK_THROWS_WITH_AS(trainer.evaluate([&] { return conv->forward(x); }),
+                       doctest::Contains("trainer.cast_input(x)"), mp::Error);
+  CHECK(test::identical(test::snapshot(conv->parameters()), before));
+  Run<P> run;
+  CHECK_THROWS_WITH_AS(run.trainer.step([&] { return run.net->forward(run.data.xs(0)).sum(); }),
+                       doctest::Contains("mixed fp32 and BFloat16"), mp::Error);
+  CHECK(run.step(0).stepped());  // with cast_input it trains
+}
+
+TEST_CASE("a second Trainer on a model an earlier Trainer cast says so, not 'drop the ->to()'") {
+  auto net = (torch::manual_seed(3), std::make_shared<Mlp>());
+  {
+    torch::optim::AdamW opt(net->parameters(), torch::optim::AdamWOptions(1e-2));
+    mp::Trainer<mp::MixedO2<at::BFloat16>> first(net, opt);
+  }
+  torch::optim::AdamW opt(net->parameters(), torch::optim::AdamWOptions(1e-2));
+  CHECK_THROWS_WITH_AS((mp::Trainer<mp::MixedO2<at::BFloat16>>(net, opt)),
+                       doctest::Contains("an earlier Trainer<MixedO2<BFloat16>> cast this model"),
+                       mp::Error);
+  // A model the user cast is still told to drop the cast.
+  auto own = std::make_shared<Mlp>();
+  own->to(at::kBFloat16);
+  torch::optim::AdamW own_opt(own->parameters(), torch::optim::AdamWOptions(1e-2));
+  CHECK_THROWS_WITH_AS((mp::Trainer<mp::MixedO2<at::BFloat16>>(own, own_opt)),
+                       doctest::Contains("drop the ->to(BFloat16)"), mp::Error);
+}
+
+namespace {
+struct MyAdamW : torch::optim::AdamW {
+  using torch::optim::AdamW::AdamW;
+};
+}  // namespace
+
+TEST_CASE("the fused-optimizer Error names the optimizer's type readably" *
+          doctest::skip(!mp::fused_adam_available)) {
+  auto net = std::make_shared<Mlp>();
+  MyAdamW opt(net->parameters(), torch::optim::AdamWOptions(1e-2));
+  std::string message;
+  try {
+    mp::Trainer<mp::MixedO2<at::BFloat16>> trainer(net, opt,
+                                                    mp::TrainerOptions().fused_optimizer(true));
+  } catch (const mp::Error& e) {
+    message = e.what();
+  }
+  INFO(message);
+  CHECK(message.find("(anonymous namespace)::MyAdamW") != std::string::npos);
+  CHECK(message.find("7MyAdamW") == std::string::npos);  // not the mangled N12_GLOBAL__N_17MyAdamWE
+}
