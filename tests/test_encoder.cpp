@@ -1,7 +1,8 @@
-// The pretrained encoder of examples/encoder: the safetensors reader (valid and hostile files),
-// loading by name, the WordPiece tokenizer; and, against Hugging Face in the Python of
-// MIXPREC_PYTHON (tests/parity_encoder.py; LibTorch 2.x, whose wheel's Python has transformers):
-// token ids on the whole data set, last_hidden_state, and fine-tuning loss for loss under
+// The pretrained encoder of examples/encoder: the safetensors reader (valid and hostile files, and
+// files Python's safetensors writes), loading by name, the WordPiece tokenizer; and, against
+// Hugging Face in the Python of MIXPREC_PYTHON (tests/parity_encoder.py, tests/tokenizer_sweep.py;
+// LibTorch 2.x, whose wheel's Python has transformers): token ids on every code point, on a sweep
+// of Unicode and on the whole data set, last_hidden_state, and fine-tuning loss for loss under
 // FullPrecision, MixedO1<BFloat16> and MixedO1<Half> + GradScaler. The model is the directory
 // MIXPREC_ENCODER_MODEL_DIR (all-MiniLM-L6-v2, which the scripts unpack from its PyPI wheel).
 #include "encoder/finetune.hpp"
@@ -10,16 +11,21 @@
 
 #include "support.hpp"
 
+#include <nlohmann/json.hpp>
 #include <torch/torch.h>
+#include <unicode/uchar.h>
+#include <unicode/uvernum.h>
 
 #include <doctest/doctest.h>
 
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -67,6 +73,12 @@ TEST_CASE("safetensors: a valid file, tensors of several dtypes tiling the data"
   CHECK(torch::equal(tensors.at("w"), torch::tensor({1.5F, -2.0F, 3.25F, 0.0F, 7.0F, 8.0F}).view({2, 3})));
   CHECK(torch::equal(tensors.at("ids"), torch::tensor({42, -7}, torch::kLong)));
   CHECK(tensors.at("e").sizes() == at::IntArrayRef({0, 5}));
+  // Empty tensors need no bytes, whatever their other sizes, in a file of none.
+  const auto empties = parse(safetensors_bytes(
+      R"({"e": {"dtype": "F32", "shape": [0, 5], "data_offsets": [0, 0]}, "f": {"dtype": "I8", "shape": [7, 0], "data_offsets": [0, 0]}})",
+      {}));
+  REQUIRE(empties.size() == 2);
+  CHECK(empties.at("f").sizes() == at::IntArrayRef({7, 0}));
 }
 
 TEST_CASE("safetensors: truncated, hostile or foreign files are an Error that says what is wrong") {
@@ -90,12 +102,29 @@ TEST_CASE("safetensors: truncated, hostile or foreign files are an Error that sa
       {R"({"a": {"dtype": "F32", "shape": [2, 2]}})", "lacks dtype, shape or data_offsets"},
       {R"({"a": {"dtype": "Q8", "shape": [2, 2], "data_offsets": [0, 16]}})", "dtype 'Q8'"},
       {R"({"a": {"dtype": "F32", "shape": [2, -2], "data_offsets": [0, 16]}})", "not a non-negative integer"},
-      {R"({"a": {"dtype": "F32", "shape": [4294967296, 4294967296], "data_offsets": [0, 16]}})", "more than the file holds"},
+      {R"({"a": {"dtype": "F32", "shape": [4294967296, 4294967296], "data_offsets": [0, 16]}})", "needs more bytes than 'test.safetensors' holds"},
+      {R"({"a": {"dtype": "F32", "shape": [0, 9223372036854775808], "data_offsets": [0, 0]}})", "a size of 9223372036854775808, more than a LibTorch size holds"},
       {R"({"a": {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 12]}})", "has data_offsets [0, 12] for 4 elements"},
       {R"({"a": {"dtype": "F32", "shape": [2, 2], "data_offsets": [4, 20]}})", "more than the file holds"},
-      {R"({"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}, "b": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}})", "without gaps or overlaps"},
-      {R"({"a": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}})", "starts at byte 4"},
+      {R"({"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}, "b": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}})",
+       "tensors 'a' (bytes [0, 4)) and 'b' (bytes [0, 8))"},
+      {R"({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}, "b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}, "c": {"dtype": "F32", "shape": [1], "data_offsets": [12, 16]}})",
+       "tensors 'a' (bytes [0, 8)) and 'b' (bytes [4, 12)) of 'test.safetensors' overlap"},
+      {R"({"a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}, "e": {"dtype": "F32", "shape": [0], "data_offsets": [8, 8]}})",
+       "tensors 'a' (bytes [0, 16)) and 'e' (bytes [8, 8)) of 'test.safetensors' overlap"},
+      {R"({"a": {"dtype": "F32", "shape": [3], "data_offsets": [4, 16]}})",
+       "bytes [0, 4) of the data of 'test.safetensors' belong to no tensor (a gap at the start, before 'a')"},
+      {R"({"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}, "b": {"dtype": "F32", "shape": [2], "data_offsets": [8, 16]}})",
+       "bytes [4, 8) of the data of 'test.safetensors' belong to no tensor (a gap after tensor 'a', before 'b')"},
       {R"({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}})", "8 bytes after its last tensor"},
+      {R"({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}, "a": {"dtype": "F32", "shape": [2], "data_offsets": [8, 16]}})",
+       "'test.safetensors' names tensor 'a' twice"},
+      {R"({"b": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}, "a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}, "b": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}})",
+       "names tensor 'b' twice"},
+      {R"({"a": {"dtype": "F16", "shape": [4], "dtype": "F32", "data_offsets": [0, 16]}})",
+       "repeats 'dtype' in the entry of 'a'"},
+      {R"({"__metadata__": {"format": "pt", "step": 3}, "a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}})",
+       "__metadata__ that is not an object of strings"},
       {R"({"a": {"dtype": 3, "shape": [2], "data_offsets": [0, 8]}})", "dtype that is not a string"},
   };
   for (const auto& c : cases) {
@@ -107,27 +136,237 @@ TEST_CASE("safetensors: truncated, hostile or foreign files are an Error that sa
   CHECK_THROWS_WITH_AS(parse(huge), doctest::Contains("announces a header of"), mp::Error);
 }
 
-TEST_CASE("WordPiece: BERT's normalization, punctuation, subwords and [UNK] on a small vocabulary") {
+TEST_CASE("safetensors: the files of Python's safetensors.torch.save_file, empty tensors sharing offsets in any order" *
+          doctest::skip(kNoPython)) {
+  const auto directory = test::temp_path("safetensors_python");
+  std::filesystem::remove_all(directory);
+  std::filesystem::create_directories(directory);
+  const auto command = std::string(MIXPREC_SYSTEM_PYTHON) + " " + MIXPREC_PARITY_ENCODER_SCRIPT +
+                       " safetensors " + directory;
+  REQUIRE(std::system(command.c_str()) == 0);
+  std::ifstream in(directory + "/manifest.json");
+  const auto manifest = nlohmann::json::parse(in);
+  REQUIRE(manifest.size() >= 6);
+  std::size_t tensors_read = 0, empty = 0;
+  for (const auto& [file, expected] : manifest.items()) {
+    CAPTURE(file);
+    std::map<std::string, at::Tensor> tensors;
+    REQUIRE_NOTHROW(tensors = encoder::read_safetensors(directory + "/" + file));
+    CHECK(tensors.size() == expected.size());
+    for (const auto& [name, spec] : expected.items()) {
+      CAPTURE(name);
+      REQUIRE(tensors.count(name) == 1);
+      const auto& t = tensors.at(name);
+      const auto shape = spec["shape"].get<std::vector<std::int64_t>>();
+      CHECK(t.scalar_type() == encoder::detail::safetensors_dtype(spec["dtype"].get<std::string>(), name));
+      CHECK(t.sizes() == at::IntArrayRef(shape));
+      // The values Python wrote: element i is (3 i + 1) mod 11 in the tensor's dtype.
+      const auto values = torch::arange(t.numel()).mul(3).add(1).remainder(11).to(t.scalar_type()).view(shape);
+      CHECK(torch::equal(t, values));
+      ++tensors_read;
+      empty += t.numel() == 0 ? 1 : 0;
+    }
+  }
+  MESSAGE(manifest.size(), " files of Python's safetensors: ", tensors_read, " tensors (", empty,
+          " empty) read as written");
+}
+
+TEST_CASE("WordPiece: BERT's normalization, punctuation, subwords, special tokens and [UNK] on a small vocabulary") {
   const auto vocab = test::temp_path("vocab.txt");
+  const std::vector<std::string> tokens{"[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "hello", ",",
+                                        "world", "!", "cafe", "un", "##aff", "##able", "\xe4\xb8\xad",
+                                        "x", "[", "]", "mask", "##x"};
   {
     std::ofstream out(vocab);
-    for (const char* token : {"[PAD]", "[UNK]", "[CLS]", "[SEP]", "hello", ",", "world", "!",
-                              "cafe", "un", "##aff", "##able", "\xe4\xb8\xad", "x"}) {
-      out << token << "\n";
-    }
+    for (const auto& token : tokens) out << token << "\n";
   }
   const encoder::WordPiece tokenizer(vocab);
   using Ids = std::vector<std::int64_t>;
-  CHECK(tokenizer.tokenize("Hello, WORLD!") == Ids{4, 5, 6, 7});
-  CHECK(tokenizer.tokenize("Caf\xc3\xa9") == Ids{8});                 // accent stripped (NFD)
-  CHECK(tokenizer.tokenize("unaffable") == Ids{9, 10, 11});            // greedy longest match
+  CHECK(tokenizer.tokenize("Hello, WORLD!") == Ids{5, 6, 7, 8});
+  CHECK(tokenizer.tokenize("Caf\xc3\xa9") == Ids{9});                 // accent stripped (NFD)
+  CHECK(tokenizer.tokenize("unaffable") == Ids{10, 11, 12});           // greedy longest match
   CHECK(tokenizer.tokenize("unknown") == Ids{1});                      // a part in no entry
-  CHECK(tokenizer.tokenize("x\xe4\xb8\xadx") == Ids{13, 12, 13});      // CJK spaced out
-  CHECK(tokenizer.tokenize("hello\x01\tworld") == Ids{4, 6});          // control removed
+  CHECK(tokenizer.tokenize("x\xe4\xb8\xadx") == Ids{14, 13, 14});      // CJK spaced out
+  CHECK(tokenizer.tokenize("hello\x01\tworld") == Ids{5, 7});          // control removed
   CHECK(tokenizer.tokenize(std::string(101, 'x')) == Ids{1});          // too long: [UNK]
-  CHECK(tokenizer.encode("hello world", 3) == Ids{2, 4, 3});           // truncated, [SEP] kept
+  CHECK(tokenizer.encode("hello world", 3) == Ids{2, 5, 3});           // truncated, [SEP] kept
+  // Special tokens as written are tokens; in another case they are text.
+  CHECK(tokenizer.tokenize("hello[MASK]world") == Ids{5, 4, 7});
+  CHECK(tokenizer.tokenize("[SEP][PAD]x [UNK]") == Ids{3, 0, 14, 1});
+  CHECK(tokenizer.tokenize("[mask]") == Ids{15, 17, 16});
+  CHECK(tokenizer.tokenize("[[MASK]]") == Ids{15, 4, 16});
+  // Unassigned code points and noncharacters stay (unknown: [UNK]); private use goes. U+2B820 is
+  // not spaced out as CJK (the reference's range starts at U+2B920), so xx U+2B820 is one word.
+  CHECK(tokenizer.tokenize("x\xcd\xb8") == Ids{1});                   // U+0378, unassigned
+  CHECK(tokenizer.tokenize("\xef\xbf\xbe") == Ids{1});                // U+FFFE
+  CHECK(tokenizer.tokenize("x\xee\x80\x80x") == Ids{14, 18});          // U+E000, private use
+  CHECK(tokenizer.tokenize("x\xf0\xab\xa0\xa0 x\xf0\xab\xa4\xa0") == Ids{1, 14, 1});
+  CHECK(tokenizer.normalize("x\xf0\xab\xa4\xa0") == "x \xf0\xab\xa4\xa0 ");   // U+2B920 is CJK
+  CHECK(tokenizer.pre_tokenize("a,b c") == std::vector<std::string>{"a", ",", "b", "c"});
   CHECK_THROWS_WITH_AS(encoder::WordPiece(test::temp_path("no-such-vocab.txt")),
                        doctest::Contains("cannot open"), mp::Error);
+  {
+    std::ofstream out(vocab);
+    for (const auto& token : tokens) {
+      if (token != "[MASK]") out << token << "\n";
+    }
+  }
+  CHECK_THROWS_WITH_AS(encoder::WordPiece{vocab}, doctest::Contains("lacks [MASK]: not a BERT vocabulary"),
+                       mp::Error);
+}
+
+namespace {
+
+std::string u_plus(UChar32 c) {
+  char hex[16];
+  std::snprintf(hex, sizeof hex, "U+%04X", static_cast<unsigned>(c));
+  return hex;
+}
+
+std::string code_points(const std::string& utf8) {
+  const auto text = icu::UnicodeString::fromUTF8(utf8);
+  std::string out;
+  for (int32_t i = 0; i < text.length(); i = text.moveIndex32(i, 1)) {
+    out += (i > 0 ? " " : "") + u_plus(text.char32At(i));
+  }
+  return out;
+}
+
+// ICU's category and Unicode age of `c`, for messages.
+std::string icu_view(UChar32 c) {
+  UVersionInfo age;
+  u_charAge(c, age);
+  return u_plus(c) + " (ICU: category " + std::to_string(u_charType(c)) + ", Unicode " +
+         std::to_string(age[0]) + "." + std::to_string(age[1]) + ")";
+}
+
+std::vector<std::string> split(const std::string& text, char separator) {
+  std::vector<std::string> parts;
+  std::size_t start = 0;
+  for (auto at = text.find(separator); at != std::string::npos; at = text.find(separator, start)) {
+    parts.push_back(text.substr(start, at - start));
+    start = at + 1;
+  }
+  parts.push_back(text.substr(start));
+  return parts;
+}
+
+struct TokenizerReference {
+  std::string chars, cases;
+};
+
+// tests/tokenizer_sweep.py, run once for the tests below: Hugging Face's tokenizer on every code
+// point, and on the sweep's strings, which take their block edges from ICU's blocks.
+const TokenizerReference& tokenizer_reference() {
+  static const TokenizerReference reference = [] {
+    const TokenizerReference paths{test::temp_path("tokenizer_chars.txt"),
+                                   test::temp_path("tokenizer_cases.txt")};
+    const auto blocks = test::temp_path("unicode_blocks.txt");
+    {
+      std::ofstream out(blocks);
+      int block = UBLOCK_NO_BLOCK;
+      UChar32 first = 0;
+      for (UChar32 c = 0; c <= 0x110000; ++c) {
+        const int here = c < 0x110000 ? u_getIntPropertyValue(c, UCHAR_BLOCK) : UBLOCK_NO_BLOCK;
+        if (here == block) continue;
+        if (block != UBLOCK_NO_BLOCK) out << std::hex << first << " " << c - 1 << "\n";
+        block = here;
+        first = c;
+      }
+    }
+    const auto script = std::filesystem::path(MIXPREC_PARITY_ENCODER_SCRIPT).parent_path() /
+                        "tokenizer_sweep.py";
+    const auto command = std::string(MIXPREC_SYSTEM_PYTHON) + " " + script.string() + " " +
+                         kModelDir + " " + blocks + " " + paths.chars + " " + paths.cases;
+    REQUIRE(std::system(command.c_str()) == 0);
+    return paths;
+  }();
+  return reference;
+}
+
+}  // namespace
+
+TEST_CASE("WordPiece: every code point normalized and split as Hugging Face's BertNormalizer and BertPreTokenizer" *
+          doctest::skip(kNoModel || kNoPython)) {
+  const encoder::WordPiece tokenizer(kModelDir + "/vocab.txt");
+  // The order tokenizer_sweep.py goes in: all but the surrogates and '|', 64 to a line.
+  std::vector<UChar32> all;
+  for (UChar32 c = 0; c < 0x110000; ++c) {
+    if ((c < 0xD800 || c > 0xDFFF) && c != '|') all.push_back(c);
+  }
+  std::ifstream in(tokenizer_reference().chars);
+  std::size_t start = 0, normalized = 0, split = 0;
+  for (std::string line; std::getline(in, line); start += 64) {
+    REQUIRE(start < all.size());
+    const auto tab = line.rfind('\t');
+    REQUIRE(tab != std::string::npos);
+    const auto end = std::min(all.size(), start + 64);
+    icu::UnicodeString joined;
+    for (auto i = start; i < end; ++i) joined.append(all[i]).append(UChar32{'|'});
+    joined.truncate(joined.length() - 1);
+    std::string text;
+    joined.toUTF8String(text);
+    const auto ours = ::split(tokenizer.normalize(text), '|');
+    const auto theirs = ::split(line.substr(0, tab), '|');
+    const auto classes = line.substr(tab + 1);
+    REQUIRE(theirs.size() == end - start);
+    REQUIRE(classes.size() == end - start);
+    for (auto i = start; i < end; ++i) {
+      const auto c = all[i];
+      const auto& want = theirs[i - start];
+      const auto& got = i - start < ours.size() ? ours[i - start] : std::string("(missing)");
+      if (got != want && ++normalized <= 8) {
+        MESSAGE(icu_view(c), ": Hugging Face normalizes it to '", code_points(want), "', this to '",
+                code_points(got), "'");
+      }
+      const char kind = encoder::bert_unicode::is_whitespace(c)    ? 'w'
+                        : encoder::bert_unicode::is_punctuation(c) ? 'p'
+                                                                   : 'l';
+      if (kind != classes[i - start] && ++split <= 8) {
+        MESSAGE(icu_view(c), ": Hugging Face splits it as '", classes[i - start], "', this as '", kind,
+                "' (w: white space, p: punctuation, l: letter)");
+      }
+    }
+  }
+  MESSAGE(all.size(), " code points (ICU ", U_ICU_VERSION, ", Unicode ", U_UNICODE_VERSION,
+          "): ", normalized, " normalized differently, ", split, " split differently");
+  CHECK((start >= all.size() && start < all.size() + 64));
+  CHECK(normalized == 0);
+  CHECK(split == 0);
+}
+
+TEST_CASE("WordPiece: ids equal BertTokenizerFast's on a sweep of categories, block edges, special tokens, accents, long words and ill-formed UTF-8" *
+          doctest::skip(kNoModel || kNoPython)) {
+  const encoder::WordPiece uncased(kModelDir + "/vocab.txt");
+  const encoder::WordPiece cased(kModelDir + "/vocab.txt", /*lower_case=*/false);
+  std::ifstream in(tokenizer_reference().cases);
+  std::size_t cases = 0, differ_uncased = 0, differ_cased = 0;
+  const auto joined = [](const std::vector<std::int64_t>& ids) {
+    std::ostringstream out;
+    for (std::size_t i = 0; i < ids.size(); ++i) out << (i ? " " : "") << ids[i];
+    return out.str();
+  };
+  for (std::string line; std::getline(in, line); ++cases) {
+    const auto fields = ::split(line, '\t');
+    REQUIRE(fields.size() == 4);
+    std::string text;
+    for (std::size_t i = 0; i + 1 < fields[1].size(); i += 2) {
+      text.push_back(static_cast<char>(std::stoi(fields[1].substr(i, 2), nullptr, 16)));
+    }
+    const auto ours_uncased = joined(uncased.encode(text, std::size_t{1} << 20));
+    const auto ours_cased = joined(cased.encode(text, std::size_t{1} << 20));
+    if (ours_uncased != fields[2] && ++differ_uncased <= 6) {
+      MESSAGE("uncased, ", fields[0], " [", code_points(text), "]: ", ours_uncased, " vs Hugging Face's ", fields[2]);
+    }
+    if (ours_cased != fields[3] && ++differ_cased <= 6) {
+      MESSAGE("cased, ", fields[0], " [", code_points(text), "]: ", ours_cased, " vs Hugging Face's ", fields[3]);
+    }
+  }
+  MESSAGE(cases, " strings of the sweep: ", differ_uncased, " give other ids than BertTokenizerFast uncased (the model's), ",
+          differ_cased, " cased");
+  CHECK(cases > 0);
+  CHECK(differ_uncased == 0);
+  CHECK(differ_cased == 0);
 }
 
 TEST_CASE("encoder: the pretrained weights load by name; a missing, extra or reshaped tensor is an Error" *

@@ -1,20 +1,22 @@
 #pragma once
-// BERT's tokenizer: the normalizer and pre-tokenizer of Hugging Face's BertTokenizer (clean the
-// text, space out CJK ideographs, strip accents and lower-case when the model is uncased, split
-// on whitespace and punctuation), then WordPiece's greedy longest-match against vocab.txt.
-// Unicode's categories, case mapping and NFD come from ICU (Debian: libicu-dev).
+// BERT's tokenizer as Hugging Face's `tokenizers` runs it (BertTokenizerFast, the model's
+// tokenizer.json): the special tokens matched in the raw text, then on the text between them
+// BertNormalizer (remove control characters, space out CJK ideographs, strip accents and lower-case
+// when the model is uncased) and BertPreTokenizer (split on white space and punctuation), then
+// WordPiece's greedy longest match against vocab.txt. Unicode as that reference sees it:
+// bert_unicode.hpp (ICU underneath; Debian: libicu-dev).
+
+#include "bert_unicode.hpp"
 
 #include <mixprec/error.hpp>
 
-#include <unicode/normalizer2.h>
-#include <unicode/uchar.h>
 #include <unicode/unistr.h>
-#include <unicode/locid.h>
 
 #include <cstdint>
 #include <fstream>
 #include <string>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 namespace encoder {
@@ -32,9 +34,10 @@ class WordPiece {
       if (!line.empty() && line.back() == '\r') line.pop_back();
       ids_.emplace(line, id);
     }
-    for (const char* special : {"[UNK]", "[CLS]", "[SEP]", "[PAD]"}) {
+    for (const char* special : {"[UNK]", "[CLS]", "[SEP]", "[PAD]", "[MASK]"}) {
       MIXPREC_CHECK(ids_.count(special) == 1, "WordPiece: '", vocab_path, "' lacks ", special,
                     ": not a BERT vocabulary");
+      specials_.emplace_back(special, ids_.at(special));
     }
     unk_ = ids_.at("[UNK]");
     cls_ = ids_.at("[CLS]");
@@ -47,11 +50,29 @@ class WordPiece {
   std::int64_t pad() const { return pad_; }
   std::size_t size() const { return ids_.size(); }
 
-  /// The token ids of `text` (UTF-8), without [CLS] and [SEP].
+  /// The token ids of `text` (UTF-8; an ill-formed sequence reads as U+FFFD, which is removed),
+  /// without [CLS] and [SEP] around it. A special token written in the text, exactly ("[MASK]",
+  /// not "[mask]"), is that token, as in the reference: its added vocabulary splits the raw text
+  /// on them (leftmost, then longest) before it normalizes the rest.
   std::vector<std::int64_t> tokenize(const std::string& text) const {
     std::vector<std::int64_t> ids;
-    for (const auto& word : words(normalize(text))) piece(word, ids);
-    return ids;
+    for (std::size_t start = 0;;) {
+      auto at = std::string::npos;
+      const Special* found = nullptr;
+      for (const auto& special : specials_) {
+        const auto position = text.find(special.first, start);
+        if (position < at || (position == at && found != nullptr &&
+                              special.first.size() > found->first.size())) {
+          at = position;
+          found = &special;
+        }
+      }
+      const auto end = found != nullptr ? at : text.size();
+      for (const auto& word : words(normalized(text.substr(start, end - start)))) piece(word, ids);
+      if (found == nullptr) return ids;
+      ids.push_back(found->second);
+      start = at + found->first.size();
+    }
   }
 
   /// [CLS] tokens [SEP], truncated to `max_length` ids (the tokens cut, not [SEP]).
@@ -64,67 +85,51 @@ class WordPiece {
     return ids;
   }
 
- private:
-  // Unicode's "Other" categories (Cc, Cf, Cn, Co, Cs), as the reference's is_control.
-  static bool is_control(UChar32 c) {
-    if (c == '\t' || c == '\n' || c == '\r') return false;
-    switch (u_charType(c)) {
-      case U_CONTROL_CHAR: case U_FORMAT_CHAR: case U_UNASSIGNED: case U_PRIVATE_USE_CHAR:
-      case U_SURROGATE:
-        return true;
-      default:
-        return false;
-    }
-  }
-  static bool is_whitespace(UChar32 c) {
-    return c == ' ' || c == '\t' || c == '\n' || c == '\r' || u_isUWhiteSpace(c);
-  }
-  static bool is_punctuation(UChar32 c) {
-    if ((c >= 33 && c <= 47) || (c >= 58 && c <= 64) || (c >= 91 && c <= 96) ||
-        (c >= 123 && c <= 126)) {
-      return true;  // ASCII punctuation and symbols
-    }
-    return u_ispunct(c);  // Unicode's P* categories
-  }
-  static bool is_cjk(UChar32 c) {
-    return (c >= 0x4E00 && c <= 0x9FFF) || (c >= 0x3400 && c <= 0x4DBF) ||
-           (c >= 0x20000 && c <= 0x2A6DF) || (c >= 0x2A700 && c <= 0x2B73F) ||
-           (c >= 0x2B740 && c <= 0x2B81F) || (c >= 0x2B820 && c <= 0x2CEAF) ||
-           (c >= 0xF900 && c <= 0xFAFF) || (c >= 0x2F800 && c <= 0x2FA1F);
+  /// BertNormalizer's output for `text`, as the reference's normalize_str gives it.
+  std::string normalize(const std::string& text) const {
+    const auto n = normalized(text);
+    return utf8(n, 0, n.size());
   }
 
-  // Clean, space out CJK, strip accents (NFD, drop Mn), lower-case: BertNormalizer's order.
-  std::u32string normalize(const std::string& text) const {
+  /// BertPreTokenizer's words of `text` (normally the normalizer's output): split on white space,
+  /// which goes, and on punctuation, each mark a word of its own.
+  static std::vector<std::string> pre_tokenize(const std::string& text) {
+    const auto input = icu::UnicodeString::fromUTF8(text);
+    std::u32string chars;
+    for (int32_t i = 0; i < input.length(); i = input.moveIndex32(i, 1)) {
+      chars.push_back(static_cast<char32_t>(input.char32At(i)));
+    }
+    std::vector<std::string> result;
+    for (const auto& word : words(chars)) result.push_back(utf8(word, 0, word.size()));
+    return result;
+  }
+
+ private:
+  using Special = std::pair<std::string, std::int64_t>;
+
+  // Clean, space out CJK, then (uncased) NFD without nonspacing marks, lower-cased: the order of
+  // BertNormalizer, each step on the whole text.
+  std::u32string normalized(const std::string& text) const {
+    namespace uni = bert_unicode;
     const auto input = icu::UnicodeString::fromUTF8(text);
     icu::UnicodeString cleaned;
     for (int32_t i = 0; i < input.length(); i = input.moveIndex32(i, 1)) {
       const UChar32 c = input.char32At(i);
-      if (c == 0 || c == 0xFFFD || is_control(c)) continue;
-      if (is_whitespace(c)) {
+      if (c == 0 || c == 0xFFFD || uni::is_control(c)) continue;
+      if (uni::is_whitespace(c)) {
         cleaned.append(UChar32{' '});
-      } else if (is_cjk(c)) {
+      } else if (uni::is_chinese(c)) {
         cleaned.append(UChar32{' '}).append(c).append(UChar32{' '});
       } else {
         cleaned.append(c);
       }
     }
     if (lower_case_) {
-      UErrorCode status = U_ZERO_ERROR;
-      const auto* nfd = icu::Normalizer2::getNFDInstance(status);
-      MIXPREC_CHECK(U_SUCCESS(status), "WordPiece: ICU has no NFD normalizer");
-      const auto decomposed = nfd->normalize(cleaned, status);
-      MIXPREC_CHECK(U_SUCCESS(status), "WordPiece: ICU could not normalize the text");
+      const auto decomposed = uni::nfd(cleaned);
       cleaned.remove();
       for (int32_t i = 0; i < decomposed.length(); i = decomposed.moveIndex32(i, 1)) {
         const UChar32 c = decomposed.char32At(i);
-        if (u_charType(c) == U_NON_SPACING_MARK) continue;
-        if (c < 0x80) {
-          cleaned.append(static_cast<UChar32>(c >= 'A' && c <= 'Z' ? c + 32 : c));
-        } else {
-          // Each character's full lower case on its own, as the reference maps them: no
-          // context (a final capital sigma becomes σ, not ς).
-          cleaned.append(icu::UnicodeString(c).toLower(icu::Locale::getRoot()));
-        }
+        if (!uni::is_stripped_mark(c)) uni::append_lower(c, cleaned);
       }
     }
     std::u32string result;
@@ -134,7 +139,6 @@ class WordPiece {
     return result;
   }
 
-  // Split on whitespace (dropped) and punctuation (each its own word).
   static std::vector<std::u32string> words(const std::u32string& text) {
     std::vector<std::u32string> result;
     std::u32string word;
@@ -144,9 +148,9 @@ class WordPiece {
     };
     for (const char32_t c : text) {
       const auto u = static_cast<UChar32>(c);
-      if (is_whitespace(u)) {
+      if (bert_unicode::is_whitespace(u)) {
         flush();
-      } else if (is_punctuation(u)) {
+      } else if (bert_unicode::is_punctuation(u)) {
         flush();
         result.emplace_back(1, c);
       } else {
@@ -195,6 +199,7 @@ class WordPiece {
   }
 
   std::unordered_map<std::string, std::int64_t> ids_;
+  std::vector<Special> specials_;
   bool lower_case_;
   std::int64_t unk_ = 0, cls_ = 0, sep_ = 0, pad_ = 0;
 };

@@ -552,6 +552,15 @@ void fuzz_safetensors_init() {
                                  24));
     save("bf16.safetensors", file(R"({"w":{"dtype":"BF16","shape":[3],"data_offsets":[0,6]}})", 6));
     save("empty.safetensors", file(R"({"e":{"dtype":"F16","shape":[0,4],"data_offsets":[0,0]}})", 0));
+    // As Python's save_file lays them out: empty tensors at the offsets of non-empty ones.
+    save("shared_offsets.safetensors",
+         file(R"({"__metadata__":{"format":"pt"},"b":{"dtype":"F32","shape":[4],"data_offsets":[0,16]},)"
+              R"("z":{"dtype":"F32","shape":[0,3],"data_offsets":[16,16]},"d":{"dtype":"F16","shape":[3],)"
+              R"("data_offsets":[16,22]},"c":{"dtype":"I8","shape":[2,0],"data_offsets":[22,22]}})", 22));
+    save("empties_only.safetensors", file(R"({"x":{"dtype":"F32","shape":[0],"data_offsets":[0,0]},)"
+                                          R"("y":{"dtype":"BOOL","shape":[0,5],"data_offsets":[0,0]}})", 0));
+    save("duplicate.safetensors", file(R"({"a":{"dtype":"U8","shape":[2],"data_offsets":[0,2]},)"
+                                       R"("a":{"dtype":"U8","shape":[2],"data_offsets":[2,4]}})", 4));
   }
 }
 
