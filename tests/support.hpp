@@ -10,6 +10,7 @@
 #include <map>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 // c10's flag: LibTorch's CPU allocator fills each new block with a NaN pattern.
@@ -57,6 +58,18 @@ inline constexpr bool address_sanitizer = false;
 #else
 inline constexpr bool address_sanitizer = false;
 #endif
+
+/// Whether this LibTorch's optimizers can be assigned (`opt = torch::optim::AdamW(...)`, as a
+/// Python user replaces an optimizer): from 2.x; 1.13's are not move-assignable, and the cases
+/// that assign one are skipped there.
+inline constexpr bool optimizers_assignable = std::is_move_assignable_v<torch::optim::AdamW>;
+
+/// `opt = Opt(params, options)` where this LibTorch compiles it (a template, so that 1.13 does
+/// not instantiate the assignment; the callers are skipped there).
+template <class Opt, class Options>
+void assign_new(Opt& opt, std::vector<at::Tensor> params, const Options& options) {
+  if constexpr (std::is_move_assignable_v<Opt>) opt = Opt(std::move(params), options);
+}
 
 /// A copy of every parameter, for before/after comparisons.
 inline std::vector<at::Tensor> snapshot(const std::vector<at::Tensor>& params) {

@@ -250,10 +250,12 @@ struct Busy {
   const char*& slot_;
 };
 
-// Whether a LibTorch message speaks of fp32 and `low` together (or of a "mixed dtype"), in any
-// of the spellings its kernels use: Float, float, float32, FloatTensor against BFloat16,
-// bfloat16, CPUBFloat16Type, Half, float16, HalfTensor.
+// Whether a LibTorch message says that two dtypes met: fp32 and `low` together, in any of the
+// spellings its kernels use (Float, float, float32, FloatTensor against BFloat16, bfloat16,
+// CPUBFloat16Type, Half, float16, HalfTensor), or a "mixed dtype" or "same dtype" without names
+// (LibTorch 1.13's "mat1 and mat2 must have the same dtype").
 inline bool mixes_fp32_with(std::string_view message, c10::ScalarType low) {
+  if (message.find("same dtype") != std::string_view::npos) return true;
   bool fp32 = false, other = message.find("mixed dtype") != std::string_view::npos;
   std::size_t i = 0;
   while (i < message.size()) {
@@ -292,11 +294,11 @@ decltype(auto) run_forward(std::string_view what, Fn&& fn) {
       const std::string message = e.what_without_backtrace();
       if (!mixes_fp32_with(message, P::low_dtype)) throw;
       const char* low = c10::toString(P::low_dtype);
-      fail(what, " mixed fp32 and ", low, " tensors. ", P::name, " keeps the model's parameters "
-           "in ", low, ", so its floating inputs must be ", low, " too: pass each one through "
-           "trainer.cast_input(x) (integer tensors such as labels and token ids pass unchanged), "
-           "and make tensors created inside the forward (torch::zeros, a float mask) in the "
-           "model's dtype. LibTorch said: ", message);
+      fail(what, " mixed tensors of two dtypes (fp32 and ", low, "?). ", P::name, " keeps the "
+           "model's parameters in ", low, ", so its floating inputs must be ", low, " too: pass "
+           "each one through trainer.cast_input(x) (integer tensors such as labels and token "
+           "ids pass unchanged), and make tensors created inside the forward (torch::zeros, a "
+           "float mask) in the model's dtype. LibTorch said: ", message);
     }
   }
 }
