@@ -17,6 +17,7 @@
 
 #include <mixprec/autocast.hpp>
 #include <mixprec/concepts.hpp>
+#include <mixprec/detail/fp8_layers.hpp>
 #include <mixprec/detail/step_group.hpp>
 #include <mixprec/detail/trained_tensors.hpp>
 #include <mixprec/detail/trainer_setup.hpp>
@@ -149,7 +150,8 @@ class Trainer {
       std::optional<NonFiniteOpFinder> finder;
       if (options_.find_non_finite_op()) finder.emplace();
       const PolicyAutocast<P> guard(tensors_.device_types());
-      loss = std::invoke(std::forward<LossFn>(loss_fn));
+      detail::OwnOutputWatch watch(*model_);  // a LibTorch dtype error explained
+      loss = watch.run(std::forward<LossFn>(loss_fn));
       if (finder) non_finite_op = finder->first();
     }
     const auto loss32 = detail::checked_loss(loss);
@@ -280,7 +282,8 @@ class Trainer {
     at::NoGradGuard no_grad;
     detail::TrainingModeGuard mode(*model_, /*training=*/false);
     const PolicyAutocast<P> guard(tensors_.device_types());
-    return std::invoke(std::forward<Forward>(forward));
+    detail::OwnOutputWatch watch(*model_);
+    return watch.run(std::forward<Forward>(forward));
   }
 
   /// A batch in the policy's compute dtype: Low for MixedO2/PureHalf; unchanged for O0/O1 and
@@ -408,8 +411,8 @@ class Trainer {
   }
 
   detail::CheckpointParts parts(const std::optional<detail::ConsolidatedState>& view) const {
-    return {P::name, *model_, view ? *view->optimizer : *optimizer_, masters_of(view),
-            data_parallel_.get(), options_.fused_optimizer()};
+    return {detail::policy_identity<P>(), *model_, view ? *view->optimizer : *optimizer_,
+            masters_of(view), data_parallel_.get(), options_.fused_optimizer()};
   }
 
   void check_saveable(const UserValues& user) const {
@@ -452,7 +455,7 @@ class Trainer {
     if constexpr (detail::fp8_policy<P>) {
       c10::IValue saved;
       archive.try_read("mixprec.fp8", saved);
-      fp8_state = fp8_.check_state(saved, source);
+      fp8_state = fp8_.check_state(saved, source, /*recipe_recorded=*/loaded.policy_settings);
     }
     commit();  // every rank has read and checked all of it
     if (view) {  // sharded: read into the full view, then each rank takes its slices
