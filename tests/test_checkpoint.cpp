@@ -32,6 +32,20 @@ struct ScaledFull : mp::FullPrecision {
   static constexpr std::string_view name = "ScaledFull";
   using scaler_type = mp::GradScaler;
 };
+// Policies that keep their base's name ("MixedO2<BFloat16>", "PureHalf<BFloat16>") and change
+// a setting, and one that renames MixedO2<BFloat16> and changes nothing.
+struct NamedLikeO2 : mp::MixedO2<at::BFloat16> {
+  using scaler_type = mp::GradScaler;
+};
+struct O2WithoutMasters : mp::MixedO2<at::BFloat16> {
+  static constexpr bool master_weights = false;
+};
+struct O3WithFp32BatchNorm : mp::PureHalf<at::BFloat16> {
+  static constexpr bool keep_batch_norm_fp32 = true;
+};
+struct RenamedO2 : mp::MixedO2<at::BFloat16> {
+  static constexpr std::string_view name = "RenamedO2";
+};
 
 struct Net : torch::nn::Module {
   Net() {
@@ -1026,4 +1040,65 @@ TEST_CASE("fp32 export: MixedO2's masters, not their bf16 rounding, for torch::l
   CHECK_THROWS_WITH_AS(rig.trainer.save_fp32(missing), doctest::Contains("no_such_directory"),
                        mp::Error);
   CHECK_FALSE(std::filesystem::exists(std::filesystem::path(missing).parent_path()));
+}
+
+TEST_CASE("a checkpoint's policy is its settings, not its name: one named like its base is refused") {
+  const auto path = temp_path("named_like.ckpt");
+  Rig<NamedLikeO2> source(41, mp::TrainerOptions().scaler(mp::GradScalerOptions().init_scale(1024)));
+  source.step(Batch(42));
+  source.trainer.save(path);
+  // The same name, MixedO2<BFloat16>, but a GradScaler's scale where NoScaler has none.
+  Rig<mp::MixedO2<at::BFloat16>> target(43);
+  target.step(Batch(44));
+  const Frozen before(target);
+  CHECK_THROWS_WITH_AS(target.trainer.load(path),
+                       doctest::Contains("was written by Trainer<MixedO2<BFloat16>>, this is "
+                                         "Trainer<MixedO2<BFloat16>>, and their settings that "
+                                         "change the numbers differ: scaler mixprec::GradScaler "
+                                         "there, mixprec::NoScaler here"),
+                       mp::Error);
+  CHECK(before.unchanged());
+  // Another name, the same settings: the same numbers, so it loads, and the next steps agree.
+  target.trainer.save(path);
+  Rig<RenamedO2> renamed(45);
+  renamed.trainer.load(path);
+  const Batch next(46);
+  target.step(next);
+  renamed.step(next);
+  CHECK(test::identical(test::snapshot(renamed.trainer.master_weights()),
+                        test::snapshot(target.trainer.master_weights())));
+}
+
+TEST_CASE("every setting of a policy that changes the numbers is part of its checkpoint identity") {
+  using Base = mp::MixedO2<at::BFloat16>;
+  const auto base = mp::detail::policy_identity<Base>();
+  CHECK(base.settings == "low=BFloat16;autocast=false;cast_model=true;master_weights=true;"
+                         "keep_batch_norm_fp32=true;scaler=mixprec::NoScaler;fp8=none");
+  CHECK(mp::detail::policy_identity<RenamedO2>().settings == base.settings);
+  const auto refused = [&](const mp::detail::PolicyIdentity& saved, const std::string& differences) {
+    CAPTURE(saved.settings);
+    const auto message = "checkpoint 'c' was written by Trainer<" + saved.name + ">, this is "
+                         "Trainer<MixedO2<BFloat16>>, and their settings that change the numbers "
+                         "differ: " + differences + ". Load it";
+    CHECK_THROWS_WITH_AS(mp::detail::check_policy_settings(saved.name, saved.settings, base, "c"),
+                         doctest::Contains(message.c_str()), mp::Error);
+  };
+  refused(mp::detail::policy_identity<mp::MixedO2<at::Half>>(),
+          "low Half there, BFloat16 here, scaler mixprec::GradScaler there, mixprec::NoScaler here");
+  refused(mp::detail::policy_identity<mp::MixedO1<at::BFloat16>>(),
+          "autocast true there, false here, cast_model false there, true here, master_weights "
+          "false there, true here");
+  refused(mp::detail::policy_identity<O2WithoutMasters>(), "master_weights false there, true here");
+  refused(mp::detail::policy_identity<NamedLikeO2>(),
+          "scaler mixprec::GradScaler there, mixprec::NoScaler here");
+  const auto o3 = mp::detail::policy_identity<mp::PureHalf<at::BFloat16>>();
+  CHECK_THROWS_WITH_AS(mp::detail::check_policy_settings(
+                           o3.name, mp::detail::policy_identity<O3WithFp32BatchNorm>().settings, o3, "c"),
+                       doctest::Contains("keep_batch_norm_fp32 true there, false here"), mp::Error);
+  // An fp8 recipe's settings (MixedFP8 needs LibTorch >= 2.5: its cases are in test_fp8.cpp).
+  refused({"MixedFP8<DelayedScaling>", "low=BFloat16;autocast=false;cast_model=true;"
+           "master_weights=true;keep_batch_norm_fp32=true;scaler=mixprec::NoScaler;fp8=delayed;"
+           "fp8_history=16;fp8_margin=0"},
+          "fp8 delayed there, none here, fp8_history 16 there, (none) here, fp8_margin 0 there, "
+          "(none) here");
 }

@@ -13,6 +13,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <functional>
 #include <limits>
 #include <sstream>
 #include <string>
@@ -126,6 +127,85 @@ std::vector<double> train_mlp(const Data& data, Mlp* keep = nullptr) {
   }
   if (keep != nullptr) *keep = model;
   return losses;
+}
+
+// with_fp8 for several recipes at once: body(Recipes{}...) where LibTorch has fp8.
+template <class... Recipes, class Body>
+void with_fp8_recipes(Body&& body) {
+  if constexpr (mp::has_fp8) body(Recipes{}...);
+}
+
+// A MixedFP8 Mlp with its optimizer and Trainer, trained on `data` step by step.
+template <class P>
+struct Fp8Run {
+  Mlp model;
+  torch::optim::AdamW adam;
+  mp::Trainer<P> trainer;
+  explicit Fp8Run(std::uint64_t seed)
+      : model((torch::manual_seed(seed), Mlp(16, 64, 4))),
+        adam(model->parameters(), torch::optim::AdamWOptions(3e-3)),
+        trainer(model, adam) {}
+  void steps(const Data& data, std::size_t from, std::size_t to) {
+    for (std::size_t i = from; i < to; ++i) {
+      (void)trainer.step([&] {
+        return torch::cross_entropy_loss(model->forward(trainer.cast_input(data.x[i])).to(at::kFloat),
+                                         data.y[i]);
+      });
+    }
+  }
+  // Everything a load changes: parameters, masters and the fp8 histories and scales.
+  std::vector<at::Tensor> state() const {
+    auto all = test::snapshot(model->parameters());
+    for (const auto& m : trainer.master_weights()) all.push_back(m.clone());
+    for (const auto* layer : {&model->fc1, &model->fc2, &model->head}) {
+      for (const auto role : {mp::Fp8Role::input, mp::Fp8Role::weight, mp::Fp8Role::grad_output}) {
+        const auto& slot = (*layer)->fp8_state()->slot(role);
+        if (slot.history.defined()) all.push_back(slot.history.clone());
+        if (slot.scale.defined()) all.push_back(slot.scale.clone());
+      }
+    }
+    return all;
+  }
+};
+
+// The checkpoint Trainer::save wrote before it recorded the policy's settings
+// (mixprec.policy_settings): the same archive, with the policy's name alone. `fp8` may change
+// the fp8 state first.
+template <class P>
+void save_without_settings(Fp8Run<P>& run, const std::string& path,
+                           const std::function<void(c10::Dict<std::string, at::Tensor>&)>& fp8 = nullptr) {
+  torch::serialize::OutputArchive archive;
+  archive.write("mixprec.policy", c10::IValue(std::string(P::name)));
+  const auto stats = run.trainer.stats();
+  archive.write("mixprec.counters", torch::tensor({stats.steps, stats.skipped_steps, stats.micro_batches}));
+  for (const auto& item : run.model->named_parameters()) {
+    archive.write("model." + item.key(), item.value().detach());
+  }
+  const auto masters = run.trainer.master_weights();
+  for (std::size_t i = 0; i < masters.size(); ++i) archive.write("masters." + std::to_string(i), masters[i]);
+  torch::serialize::OutputArchive optimizer, groups, options;
+  run.adam.save(optimizer);
+  archive.write("optimizer", optimizer);
+  run.adam.param_groups()[0].options().serialize(options);
+  groups.write("0", options);
+  groups.write("sizes", torch::tensor({static_cast<std::int64_t>(masters.size())}));
+  archive.write("optimizer.groups", groups);
+  archive.write("scaler", c10::IValue(run.trainer.scaler().state_dict()));
+  archive.write("rng.cpu", at::detail::getDefaultCPUGenerator().get_state());
+  c10::Dict<std::string, at::Tensor> state;
+  for (const auto& item : run.model->named_children()) {
+    const auto* layer = item.value()->template as<mp::nn::Float8LinearImpl>();
+    for (const auto role : {mp::Fp8Role::input, mp::Fp8Role::weight, mp::Fp8Role::grad_output}) {
+      const auto& slot = layer->fp8_state()->slot(role);
+      if (!slot.history.defined()) continue;  // tensorwise: none
+      const auto prefix = item.key() + "." + mp::detail::role_name(role);
+      state.insert(prefix + ".amax_history", slot.history.clone());
+      state.insert(prefix + ".scale", slot.scale.clone());
+    }
+  }
+  if (fp8) fp8(state);
+  archive.write("mixprec.fp8", c10::IValue(state));
+  mp::detail::save_checkpoint(archive, path);
 }
 
 }  // namespace
@@ -346,6 +426,90 @@ TEST_CASE("MixedFP8 resumes from a checkpoint bit for bit (delayed scaling's his
     first.erase(first.begin(), first.begin() + 5);  // the steps before the checkpoint
     const auto resumed = run(true);
     CHECK(test::identical(first, resumed));
+  });
+}
+
+TEST_CASE("a MixedFP8 checkpoint loads into the recipe it was written with only: History and "
+          "Margin included" * doctest::skip(!mp::has_fp8)) {
+  with_fp8_recipes<mp::DelayedScaling<4>, mp::DelayedScaling<4, 3>, mp::DelayedScaling<8>,
+                   mp::TensorwiseScaling>([](auto saved, auto margin3, auto history8, auto tensorwise) {
+    const auto data = make_data(6, 16, 4, 7);
+    const auto path = test::temp_path("fp8_recipe.ckpt");
+    Fp8Run<mp::MixedFP8<decltype(saved)>> source(0);
+    source.steps(data, 0, 3);
+    source.trainer.save(path);
+    const auto refused = [&](auto recipe, const char* message) {
+      Fp8Run<mp::MixedFP8<decltype(recipe)>> target(1);
+      target.steps(data, 3, 4);
+      const auto before = target.state();
+      CHECK_THROWS_WITH_AS(target.trainer.load(path), doctest::Contains(message), mp::Error);
+      CHECK(test::identical(target.state(), before));
+    };
+    // The same name, "MixedFP8<DelayedScaling>": the next steps would use scales 2^3 too large.
+    refused(margin3, "this is Trainer<MixedFP8<DelayedScaling>>, and their settings that change "
+                     "the numbers differ: fp8_margin 0 there, 3 here");
+    refused(history8, "fp8_history 4 there, 8 here");
+    refused(tensorwise, "fp8 delayed there, tensorwise here, fp8_history 4 there, (none) here, "
+                        "fp8_margin 0 there, (none) here");
+    // The recipe it was written with resumes it.
+    Fp8Run<mp::MixedFP8<decltype(saved)>> resumed(1);
+    resumed.trainer.load(path);
+    source.steps(data, 3, 6);
+    resumed.steps(data, 3, 6);
+    CHECK(test::identical(resumed.state(), source.state()));
+  });
+}
+
+TEST_CASE("a MixedFP8 checkpoint written before the recipe was recorded loads where its scales "
+          "show the same Margin" * doctest::skip(!mp::has_fp8)) {
+  with_fp8_recipes<mp::DelayedScaling<4, 3>, mp::DelayedScaling<4>, mp::TensorwiseScaling>(
+      [](auto margin3, auto margin0, auto tensorwise) {
+    using Margin3 = mp::MixedFP8<decltype(margin3)>;
+    using Margin0 = mp::MixedFP8<decltype(margin0)>;
+    const auto data = make_data(6, 16, 4, 9);
+    const auto old_path = test::temp_path("fp8_before_settings.ckpt");
+    const auto new_path = test::temp_path("fp8_with_settings.ckpt");
+    Fp8Run<Margin3> source(0);
+    source.steps(data, 0, 3);
+    save_without_settings(source, old_path);
+    source.trainer.save(new_path);
+    // Into the recipe it was written with: as the same checkpoint with its settings.
+    Fp8Run<Margin3> from_old(1), from_new(2);
+    from_old.trainer.load(old_path);
+    from_new.trainer.load(new_path);
+    from_old.steps(data, 3, 6);
+    from_new.steps(data, 3, 6);
+    CHECK(test::identical(from_old.state(), from_new.state()));
+    // Into another Margin: its scales tell which one they were computed with.
+    Fp8Run<Margin0> other(3);
+    const auto before = other.state();
+    CHECK_THROWS_WITH_AS(other.trainer.load(old_path),
+                         doctest::Contains("written before checkpoints recorded DelayedScaling's "
+                                           "History and Margin, and its fp8 scale 'fc1.input.scale' "
+                                           "was computed with Margin 3, this Trainer's "
+                                           "DelayedScaling with Margin 0: load it with "
+                                           "DelayedScaling<4, 3>"),
+                         mp::Error);
+    CHECK(test::identical(other.state(), before));
+    // A scale whose amaxes the history has dropped cannot be checked: refused.
+    save_without_settings(source, old_path, [](auto& state) {
+      state.insert_or_assign("fc2.weight.amax_history", torch::zeros({4}));
+    });
+    Fp8Run<Margin3> same(4);
+    CHECK_THROWS_WITH_AS(same.trainer.load(old_path),
+                         doctest::Contains("its fp8 scale 'fc2.weight.scale' comes from amaxes "
+                                           "its history no longer holds"),
+                         mp::Error);
+    // Saved before any step, the state is the initial one, whatever the Margin: it loads.
+    Fp8Run<Margin3> fresh(5);
+    save_without_settings(fresh, old_path);
+    other.trainer.load(old_path);
+    // Tensorwise scaling keeps no state: its checkpoints load as they did.
+    Fp8Run<mp::MixedFP8<decltype(tensorwise)>> plain(6), plain_target(7);
+    plain.steps(data, 0, 2);
+    save_without_settings(plain, old_path);
+    plain_target.trainer.load(old_path);
+    CHECK(test::identical(plain_target.state(), plain.state()));
   });
 }
 

@@ -788,3 +788,277 @@ TEST_CASE("a mapped model's checkpoint resumes bit for bit under MixedO2<BFloat1
   CHECK(test::identical(test::snapshot(resumed->parameters()), test::snapshot(model->parameters())));
   CHECK(test::identical(resumed_trainer.master_weights(), trainer.master_weights()));
 }
+
+TEST_CASE("a precision map rule shadowed by earlier ones is an Error naming it and them") {
+  SUBCASE("`**` first: a later rule for one module decides nothing") {
+    auto model = encoder();
+    const auto before = test::snapshot(model->parameters());
+    CHECK_THROWS_WITH_AS(
+        mp::apply_precision_map<mp::MixedO2<at::BFloat16>>(
+            model, mp::PrecisionMap().add("**", mp::Precision::low).keep_fp32("head")),
+        doctest::Contains("precision map rule 'head' (fp32) decides no module: every module it "
+                          "matches ('head') is decided by the earlier precision map rule '**' "
+                          "(low)"),
+        mp::Error);
+    // Nothing changed: in the other order, the same two rules each decide a module.
+    const auto changed = mp::apply_precision_map<mp::MixedO2<at::BFloat16>>(
+        model, mp::PrecisionMap().keep_fp32("head").add("**", mp::Precision::low));
+    REQUIRE(changed.size() == 1);
+    CHECK(changed[0].name == "head");
+    CHECK(test::identical(test::snapshot(model->parameters()), before));
+  }
+  SUBCASE("the same pattern twice, and a pattern shadowed by two rules") {
+    auto model = encoder();
+    CHECK_THROWS_WITH_AS(
+        mp::apply_precision_map<mp::MixedO2<at::BFloat16>>(
+            model, mp::PrecisionMap().keep_fp32("head", mp::Output::own).keep_fp32("head")),
+        doctest::Contains("rule 'head' (fp32) decides no module: every module it matches "
+                          "('head') is decided by the earlier precision map rule 'head' (fp32, "
+                          "Output::own)"),
+        mp::Error);
+    CHECK_THROWS_WITH_AS(
+        mp::apply_precision_map<mp::FullPrecision>(
+            model, mp::PrecisionMap().keep_fp32("norm1").keep_fp32("norm2").keep_fp32("norm*")),
+        doctest::Contains("rule 'norm*' (fp32) decides no module: every module it matches "
+                          "('norm1', 'norm2') is decided by the earlier precision map rule "
+                          "'norm1' (fp32) and precision map rule 'norm2' (fp32)"),
+        mp::Error);
+  }
+  SUBCASE("a rule for a child of a module another rule decides is not shadowed") {
+    // `0.2` is no match of `0`: the child is decided by its own rule (here to the precision it
+    // would inherit), as `0.*` would decide all four children.
+    torch::nn::Sequential model(mp::nn::Mappable<torch::nn::Sequential>(
+        torch::nn::Linear(16, 32), torch::nn::ReLU(),
+        torch::nn::LayerNorm(torch::nn::LayerNormOptions({32})), torch::nn::Linear(32, 5)));
+    const auto changed = mp::apply_precision_map<mp::MixedO2<at::BFloat16>>(
+        model, mp::PrecisionMap().keep_fp32("0", mp::Output::own).keep_fp32("0.2"));
+    CHECK(changed.size() == 5);  // `0` and its four children
+  }
+}
+
+TEST_CASE("the pattern rules are a piece of their own: another wrapper kind's rules, same Errors") {
+  // What activation checkpointing or sharded units will call, with their own names for rules.
+  const std::vector<std::string> paths{"blocks", "blocks.0", "blocks.0.attn", "blocks.1", "head"};
+  const auto describe = [](std::size_t i) { return "checkpoint rule " + std::to_string(i); };
+  std::vector<int> decided;  // the rule of each path, -1 for none
+  for (const auto rule : mp::detail::decide_paths({"blocks.*", "head", "**"}, paths, describe)) {
+    decided.push_back(rule ? static_cast<int>(*rule) : -1);
+  }
+  CHECK(decided == std::vector<int>{2, 0, 2, 0, 1});
+  CHECK_THROWS_WITH_AS(mp::detail::decide_paths({"blocks.*", "blocks.1"}, paths, describe),
+                       doctest::Contains("checkpoint rule 1 decides no module: every module it "
+                                         "matches ('blocks.1') is decided by the earlier "
+                                         "checkpoint rule 0"),
+                       mp::Error);
+  CHECK_THROWS_WITH_AS(mp::detail::decide_paths({"blocks.2"}, paths, describe),
+                       doctest::Contains("checkpoint rule 0 matches no module of the model; the "
+                                         "closest names: 'blocks.0', 'blocks.1'"),
+                       mp::Error);
+}
+
+TEST_CASE("LibTorch's modules with parameters refuse an input of another dtype (1.13 and 2.x)") {
+  // What the checks of Output::own rely on: a module whose parameters are bf16 cannot read an
+  // fp32 output kept by its neighbour, whatever its kind; a norm layer with fp32 parameters
+  // reads bf16 (BatchNorm always, LayerNorm and GroupNorm where mixed_dtype_norms).
+  torch::manual_seed(0);
+  torch::nn::Linear linear(8, 8);
+  torch::nn::Conv1d conv(torch::nn::Conv1dOptions(8, 8, 3));
+  torch::nn::LayerNorm layer_norm(torch::nn::LayerNormOptions({8}));
+  torch::nn::GroupNorm group_norm(2, 8);
+  torch::nn::BatchNorm1d batch_norm(8);
+  torch::nn::PReLU prelu;
+  torch::nn::MultiheadAttention attention(8, 2);
+  const auto fp32_into_bf16 = [](auto module, const at::Tensor& x) {
+    module->to(at::kBFloat16);
+    CHECK_THROWS_AS(module->forward(x), c10::Error);
+  };
+  fp32_into_bf16(linear, torch::randn({4, 8}));
+  fp32_into_bf16(conv, torch::randn({2, 8, 6}));
+  fp32_into_bf16(layer_norm, torch::randn({4, 8}));
+  fp32_into_bf16(group_norm, torch::randn({2, 8, 5}));
+  fp32_into_bf16(batch_norm, torch::randn({4, 8}));
+  fp32_into_bf16(prelu, torch::randn({4, 8}));
+  attention->to(at::kBFloat16);
+  const auto q = torch::randn({3, 2, 8});
+  CHECK_THROWS_AS(attention->forward(q, q, q), c10::Error);
+  // fp32 parameters, bf16 input.
+  const auto x = torch::randn({4, 8}).to(at::kBFloat16);
+  batch_norm->to(at::kFloat);
+  CHECK(batch_norm->forward(x).scalar_type() == at::kBFloat16);
+  layer_norm->to(at::kFloat);
+  if (mp::mixed_dtype_norms) {
+    CHECK(layer_norm->forward(x).scalar_type() == at::kBFloat16);
+  } else {
+    CHECK_THROWS_AS(layer_norm->forward(x), c10::Error);
+  }
+}
+
+TEST_CASE("an output kept fp32 read by a Low module of a Sequential: an Error at the map, naming both") {
+  const auto make = [](torch::nn::AnyModule third) {
+    torch::manual_seed(3);
+    return torch::nn::Sequential(torch::nn::Linear(8, 16), mp::nn::Mappable<torch::nn::Linear>(16, 16),
+                                 std::move(third), torch::nn::Linear(16, 2));
+  };
+  const auto own = mp::PrecisionMap().keep_fp32("1", mp::Output::own);
+  SUBCASE("a plain LayerNorm reads it") {
+    auto model = make(torch::nn::AnyModule(torch::nn::LayerNorm(torch::nn::LayerNormOptions({16}))));
+    const auto before = test::snapshot(model->parameters());
+    CHECK_THROWS_WITH_AS(mp::apply_precision_map<mp::MixedO2<at::BFloat16>>(model, own),
+                         doctest::Contains("module '2' (torch::nn::LayerNormImpl) computes in "
+                                           "BFloat16 under MixedO2<BFloat16> and reads, through "
+                                           "the Sequential around it, the Float output that "
+                                           "module '1' keeps (Output::own)"),
+                         mp::Error);
+    CHECK_THROWS_WITH_AS(mp::apply_precision_map<mp::PureHalf<at::BFloat16>>(model, own),
+                         doctest::Contains("declare it as mixprec::nn::Mappable<torch::nn::"
+                                           "LayerNorm>, add keep_fp32(\"2\") to the map"),
+                         mp::Error);
+    // Nothing changed: the map applies without Output::own, and the model trains.
+    mp::apply_precision_map<mp::MixedO2<at::BFloat16>>(model, mp::PrecisionMap().keep_fp32("1"));
+    CHECK(test::identical(test::snapshot(model->parameters()), before));
+  }
+  SUBCASE("through an activation and a BatchNorm kept fp32, to a Linear") {
+    // ReLU passes fp32 on; BatchNorm's parameters stay fp32 under MixedO2, and its output takes
+    // its input's dtype: the Linear after them reads fp32.
+    torch::manual_seed(3);
+    torch::nn::Sequential model(torch::nn::Linear(8, 16), mp::nn::Mappable<torch::nn::Linear>(16, 16),
+                                torch::nn::ReLU(), torch::nn::BatchNorm1d(16),
+                                torch::nn::Linear(16, 2));
+    CHECK_THROWS_WITH_AS(mp::apply_precision_map<mp::MixedO2<at::BFloat16>>(model, own),
+                         doctest::Contains("module '4' (torch::nn::LinearImpl) computes in "
+                                           "BFloat16"),
+                         mp::Error);
+  }
+  SUBCASE("out of a nested Sequential, into the next module of the outer one") {
+    torch::manual_seed(3);
+    torch::nn::Sequential model(
+        mp::nn::Mappable<torch::nn::Sequential>(torch::nn::Linear(8, 16),
+                                                mp::nn::Mappable<torch::nn::Linear>(16, 16)),
+        torch::nn::Linear(16, 2));
+    CHECK_THROWS_WITH_AS(
+        mp::apply_precision_map<mp::MixedO2<at::BFloat16>>(
+            model, mp::PrecisionMap().keep_fp32("0.1", mp::Output::own)),
+        doctest::Contains("module '1' (torch::nn::LinearImpl) computes in BFloat16 under "
+                          "MixedO2<BFloat16> and reads, through the Sequential around it, the "
+                          "Float output that module '0.1' keeps"),
+        mp::Error);
+  }
+  SUBCASE("read by a Mappable kept fp32, or by nothing, it is fine") {
+    auto model = make(torch::nn::AnyModule(mp::nn::Mappable<torch::nn::Linear>(16, 16)));
+    CHECK(mp::apply_precision_map<mp::MixedO2<at::BFloat16>>(model, mp::PrecisionMap()
+              .keep_fp32("1", mp::Output::own).keep_fp32("2")).size() == 2);
+    torch::manual_seed(3);
+    torch::nn::Sequential last(torch::nn::Linear(8, 16), mp::nn::Mappable<torch::nn::Linear>(16, 2));
+    CHECK(mp::apply_precision_map<mp::MixedO2<at::BFloat16>>(last, own).size() == 1);
+    // Under MixedO1 autocast casts what the next module reads: nothing to check.
+    auto o1 = make(torch::nn::AnyModule(torch::nn::LayerNorm(torch::nn::LayerNormOptions({16}))));
+    CHECK(mp::apply_precision_map<mp::MixedO1<at::BFloat16>>(o1, own).size() == 1);
+  }
+}
+
+TEST_CASE("an output kept fp32 read by a Low module in the user's forward: an Error in the first "
+          "step, naming both") {
+  // The Encoder's forward reads proj's output through `h + tanh(proj(h))` (fp32 by type
+  // promotion) in norm1, a plain LayerNorm in bf16: only the forward pass says so.
+  auto model = encoder();
+  mp::apply_precision_map<mp::MixedO2<at::BFloat16>>(
+      model, mp::PrecisionMap().keep_fp32("proj", mp::Output::own));
+  torch::optim::AdamW optimizer(model->parameters(), torch::optim::AdamWOptions(1e-2));
+  mp::Trainer<mp::MixedO2<at::BFloat16>> trainer(model, optimizer);
+  const auto before = test::snapshot(trainer.master_weights());
+  const auto [x, y] = encoder_batch(1);
+  const auto loss = [&, &x = x, &y = y] {
+    return torch::nn::functional::cross_entropy(model->forward(trainer.cast_input(x)), y);
+  };
+#ifdef NDEBUG
+  CHECK_THROWS_WITH_AS(trainer.step(loss),
+                       doctest::Contains("module 'norm1' (torch::nn::LayerNormImpl) computes in "
+                                         "BFloat16 and reads the Float output that module "
+                                         "'proj' keeps with Output::own"),
+                       mp::Error);
+  CHECK_THROWS_WITH_AS(trainer.evaluate([&, &x = x] { return model->forward(trainer.cast_input(x)); }),
+                       doctest::Contains("declare it as mixprec::nn::Mappable<torch::nn::"
+                                         "LayerNorm>, add keep_fp32(\"norm1\") to the map"),
+                       mp::Error);
+#else
+  // A build without NDEBUG cannot see the ops' inputs (diagnostics.hpp): the region only.
+  CHECK_THROWS_WITH_AS(trainer.step(loss),
+                       doctest::Contains("the forward pass failed after module 'proj' handed its "
+                                         "Float output (Output::own) to BFloat16 computation"),
+                       mp::Error);
+#endif
+  CHECK(test::identical(test::snapshot(trainer.master_weights()), before));
+  CHECK(trainer.stats().steps == 0);
+}
+
+TEST_CASE("the forward-pass check follows a kept output to whatever reads it" *
+          doctest::skip(!mp::mixed_dtype_norms)) {
+  // norm1 kept fp32 reads proj's fp32 output (a plain norm layer on LibTorch 2.x), but its own
+  // output stays fp32 too, and the next Low module to read it, ffn.0, is the one named.
+  auto model = encoder();
+  mp::apply_precision_map<mp::MixedO2<at::BFloat16>>(
+      model, mp::PrecisionMap().keep_fp32("proj", mp::Output::own).keep_fp32("norm1"));
+  torch::optim::AdamW optimizer(model->parameters(), torch::optim::AdamWOptions(1e-2));
+  mp::Trainer<mp::MixedO2<at::BFloat16>> trainer(model, optimizer);
+  const auto [x, y] = encoder_batch(1);
+  const auto step = [&, &x = x, &y = y] {
+    return trainer.step([&] {
+      return torch::nn::functional::cross_entropy(model->forward(trainer.cast_input(x)), y);
+    });
+  };
+#ifdef NDEBUG
+  CHECK_THROWS_WITH_AS(step(), doctest::Contains("module 'ffn.0' (torch::nn::LinearImpl) computes "
+                                                 "in BFloat16 and reads the Float output that "
+                                                 "module 'proj' keeps"),
+                       mp::Error);
+#else
+  CHECK_THROWS_AS(step(), mp::Error);
+#endif
+  // Following the fixes the Errors name, module by module, down to the head, whose output goes
+  // back to bf16: the step runs.
+  auto fixed = encoder();
+  mp::apply_precision_map<mp::MixedO2<at::BFloat16>>(
+      fixed, mp::PrecisionMap().keep_fp32("proj", mp::Output::own).keep_fp32("norm1")
+                 .keep_fp32("ffn.0").keep_fp32("norm2").keep_fp32("head"));
+  CHECK(train_encoder<mp::MixedO2<at::BFloat16>>(fixed, 2).size() == 2);
+}
+
+TEST_CASE("the forward-pass check: code of the user's own, and errors that are no dtype mix") {
+  // `big` keeps its output fp32; the forward multiplies it with a bf16 activation, or fails
+  // for another reason after it.
+  struct Net : torch::nn::Module {
+    mp::nn::Mappable<torch::nn::Linear> big{8, 8};
+    torch::nn::Linear out{8, 8};
+    bool mix = true;
+    Net() {
+      register_module("big", big);
+      register_module("out", out);
+    }
+    at::Tensor forward(const at::Tensor& x) {
+      const auto h = out->forward(x);
+      const auto kept = big->forward(x);
+      if (mix) return at::mm(kept, h.t());
+      return at::mm(h, torch::ones({3, 3}, h.options()));  // a shape error, bf16 alone
+    }
+  };
+  torch::manual_seed(0);
+  auto model = std::make_shared<Net>();
+  mp::apply_precision_map<mp::MixedO2<at::BFloat16>>(
+      model, mp::PrecisionMap().keep_fp32("big", mp::Output::own));
+  torch::optim::SGD optimizer(model->parameters(), torch::optim::SGDOptions(0.1));
+  mp::Trainer<mp::MixedO2<at::BFloat16>> trainer(model, optimizer);
+  const auto x = torch::randn({4, 8});
+  const auto loss = [&] { return model->forward(trainer.cast_input(x)).to(at::kFloat).sum(); };
+#ifdef NDEBUG
+  CHECK_THROWS_WITH_AS(trainer.step(loss),
+                       doctest::Contains("which read the Float output that module 'big' keeps "
+                                         "(Output::own) together with a BFloat16 tensor that no "
+                                         "submodule holds (code of your own)"),
+                       mp::Error);
+  model->mix = false;  // no op read fp32 and bf16 together: LibTorch's error as it is
+  CHECK_THROWS_WITH_AS(trainer.step(loss), doctest::Contains("mat1 and mat2 shapes cannot be "
+                                                             "multiplied"), c10::Error);
+#else
+  CHECK_THROWS_AS(trainer.step(loss), mp::Error);
+#endif
+}

@@ -18,13 +18,16 @@
 /// a module whose inputs must change dtype has to be declared as mixprec::nn::Mappable<M> (the
 /// same parameters, state_dict keys and forward as M). Norm layers need no wrapper under
 /// MixedO2/PureHalf: BatchNorm always, LayerNorm and GroupNorm where mixed_dtype_norms (LibTorch
-/// 2.x), take Low input with fp32 weights. A module the map cannot change is an Error that names
-/// it, before anything changes.
+/// 2.x), take Low input with fp32 weights. A module the map cannot change, and a rule that
+/// decides no module (a typo, or shadowed by an earlier rule), are Errors that name them, before
+/// anything changes.
 
 #include <mixprec/autocast.hpp>
 #include <mixprec/compat.hpp>
 #include <mixprec/concepts.hpp>
 #include <mixprec/detail/model_cast.hpp>
+#include <mixprec/detail/module_patterns.hpp>
+#include <mixprec/detail/own_outputs.hpp>
 #include <mixprec/detail/tensor_set.hpp>
 #include <mixprec/error.hpp>
 #include <mixprec/policy.hpp>
@@ -41,6 +44,7 @@
 #include <memory>
 #include <optional>
 #include <ostream>
+#include <sstream>
 #include <string>
 #include <string_view>
 #include <type_traits>
@@ -81,13 +85,15 @@ struct PrecisionRule {
 };
 
 /// Ordered rules from module-path patterns to precisions. A module takes the precision of the
-/// first rule that matches its path, else its parent's; the model's root takes its policy's.
+/// first rule that matches its path (that rule decides it), else its parent's; the model's root
+/// takes its policy's. apply_precision_map refuses a rule that decides no module: one that
+/// matches none, or one shadowed by earlier rules that decide everything it matches.
 class PrecisionMap {
  public:
   PrecisionMap() = default;
   PrecisionMap(std::initializer_list<PrecisionRule> rules) : rules_(rules) {}
 
-  /// Appends a rule (it decides only for modules no earlier rule matches).
+  /// Appends a rule (it decides only the modules no earlier rule matches).
   PrecisionMap& add(std::string pattern, Precision precision, Output output = Output::surroundings) {
     rules_.push_back({std::move(pattern), precision, output});
     return *this;
@@ -115,57 +121,6 @@ struct ModulePrecision {
 
 namespace detail {
 
-// `*` matches any run of characters but '.', `**` any run, `?` one character but '.'.
-inline bool glob_match(std::string_view pattern, std::string_view path) {
-  if (pattern.empty()) return path.empty();
-  if (pattern.substr(0, 2) == "**") {
-    const auto rest = pattern.substr(2);
-    for (std::size_t i = 0; i <= path.size(); ++i) {
-      if (glob_match(rest, path.substr(i))) return true;
-    }
-    return false;
-  }
-  if (pattern.front() == '*') {
-    const auto rest = pattern.substr(1);
-    for (std::size_t i = 0; i <= path.size(); ++i) {
-      if (glob_match(rest, path.substr(i))) return true;
-      if (i < path.size() && path[i] == '.') return false;
-    }
-    return false;
-  }
-  if (path.empty()) return false;
-  if (pattern.front() == '?' ? path.front() == '.' : pattern.front() != path.front()) return false;
-  return glob_match(pattern.substr(1), path.substr(1));
-}
-
-inline std::size_t edit_distance(std::string_view a, std::string_view b) {
-  std::vector<std::size_t> row(b.size() + 1);
-  for (std::size_t j = 0; j <= b.size(); ++j) row[j] = j;
-  for (std::size_t i = 1; i <= a.size(); ++i) {
-    std::size_t diagonal = row[0];
-    row[0] = i;
-    for (std::size_t j = 1; j <= b.size(); ++j) {
-      const std::size_t above = row[j];
-      row[j] = std::min({row[j] + 1, row[j - 1] + 1, diagonal + (a[i - 1] == b[j - 1] ? 0 : 1)});
-      diagonal = above;
-    }
-  }
-  return row[b.size()];
-}
-
-// The names closest to `pattern`, for an Error about a rule that matches nothing.
-inline std::string closest_names(std::string_view pattern, const std::vector<std::string>& names) {
-  std::vector<std::pair<std::size_t, std::string>> ranked;
-  for (const auto& name : names) ranked.emplace_back(edit_distance(pattern, name), name);
-  std::stable_sort(ranked.begin(), ranked.end(),
-                   [](const auto& a, const auto& b) { return a.first < b.first; });
-  std::string result;
-  for (std::size_t i = 0; i < ranked.size() && i < 5; ++i) {
-    result += (i == 0 ? "'" : ", '") + ranked[i].second + "'";
-  }
-  return result.empty() ? "none (the model has no submodules)" : result;
-}
-
 // A mapped module's forward: `compute` (the module's own) with its inputs cast to the
 // region's dtype (or autocast switched), and its output cast back to its surroundings'.
 template <class Compute>
@@ -176,10 +131,14 @@ at::Tensor forward_in_region(const MappableBase::Region& region, const at::Tenso
   if (region.autocast) guard.emplace(input.device().type(), region.autocast_dtype, *region.autocast);
   const bool floating = input.defined() && at::isFloatingType(input.scalar_type());
   auto out = compute(floating && region.cast_inputs ? input.to(region.dtype) : input);
-  if (region.cast_output && out.defined() && at::isFloatingType(out.scalar_type())) {
+  if (!out.defined() || !at::isFloatingType(out.scalar_type())) return out;
+  if (region.cast_output) {
     const auto target = region.output_dtype.value_or(floating ? input.scalar_type()
                                                               : out.scalar_type());
     if (out.scalar_type() != target) out = out.to(target);
+  } else if (region.output_dtype && out.scalar_type() != *region.output_dtype) {
+    // Output::own: whatever reads it must take this dtype (own_outputs.hpp).
+    OwnOutputWatch::handed_out(region.path, out.scalar_type(), *region.output_dtype);
   }
   return out;
 }
@@ -260,9 +219,11 @@ class Mappable : public torch::nn::ModuleHolder<MappableImpl<M>> {
 /// under MixedO2/PureHalf their parameters stay fp32 when the Trainer casts the model (fp32
 /// parameters are their own masters), under MixedO1 autocast is off inside them. Returns the
 /// modules whose precision now differs from P's. Errors, before anything changes: a rule that
-/// matches no module (naming the closest), a module whose inputs would need a cast it cannot
-/// take (not a Mappable or a norm layer that takes them), a model mapped before or already
-/// trained by a Trainer.
+/// matches no module (naming the closest), a rule shadowed by earlier ones (naming them), a
+/// module whose inputs would need a cast it cannot take (not a Mappable or a norm layer that
+/// takes them), an output kept with Output::own that the next module of a Sequential cannot
+/// read (naming both; where the model's own forward decides, the Trainer's first forward pass
+/// names them), a model mapped before or already trained by a Trainer.
 template <class P>
 std::vector<ModulePrecision> apply_precision_map(const std::shared_ptr<torch::nn::Module>& model,
                                                  const PrecisionMap& map) {
@@ -278,17 +239,17 @@ std::vector<ModulePrecision> apply_precision_map(const std::shared_ptr<torch::nn
                 "apply_precision_map: a Trainer trains this model already and has cast it; "
                 "apply the map before constructing the Trainer");
   const auto named = model->named_modules("", /*include_self=*/false);
-  std::vector<std::string> names;
+  std::vector<std::string> names, patterns;
   for (const auto& item : named) names.push_back(item.key());
-  for (const auto& rule : map.rules()) {
-    const bool matched = std::any_of(names.begin(), names.end(), [&](const std::string& name) {
-      return detail::glob_match(rule.pattern, name);
-    });
-    MIXPREC_CHECK(matched, "precision map rule '", rule.pattern, "' (", rule.precision,
-                  ") matches no module of the model; the closest names: ",
-                  detail::closest_names(rule.pattern, names),
-                  " (`*` matches within one name, `**` across dots)");
-  }
+  for (const auto& rule : map.rules()) patterns.push_back(rule.pattern);
+  // The rule that decides each module; every rule must decide one (not a typo, not shadowed).
+  const auto decided = detail::decide_paths(patterns, names, [&](std::size_t i) {
+    const auto& rule = map.rules()[i];
+    std::ostringstream text;
+    text << "precision map rule '" << rule.pattern << "' (" << rule.precision
+         << (rule.output == Output::own ? ", Output::own" : "") << ")";
+    return text.str();
+  });
 
   for (const auto& rule : map.rules()) {
     MIXPREC_CHECK(rule.precision != Precision::fp8 || detail::fp8_policy<P>, "precision map "
@@ -307,6 +268,7 @@ std::vector<ModulePrecision> apply_precision_map(const std::shared_ptr<torch::nn
   std::vector<std::pair<detail::MappableBase*, bool>> fp8_layers;
   std::vector<ModulePrecision> changed;
   struct RegionRoot {
+    std::string name;
     std::shared_ptr<torch::nn::Module> module;
     detail::MappableBase* mappable;
     c10::ScalarType dtype;
@@ -322,12 +284,13 @@ std::vector<ModulePrecision> apply_precision_map(const std::shared_ptr<torch::nn
     std::optional<Output> output;
   };
   std::unordered_map<const torch::nn::Module*, Seen> seen;
-  for (const auto& item : named) {  // parents before their children
+  for (std::size_t index = 0; index < named.size(); ++index) {  // parents before their children
+    const auto& item = named[index];
     const auto& name = item.key();
     const auto dot = name.rfind('.');
     const auto parent_name = dot == std::string::npos ? std::string() : name.substr(0, dot);
     const auto parent = dtypes.at(parent_name);
-    const auto* rule = map.match(name);
+    const auto* rule = decided[index] ? &map.rules()[*decided[index]] : nullptr;
     const auto dtype = rule != nullptr ? dtype_of(rule->precision) : parent;
     dtypes[name] = dtype;
     const bool in_fp8 = rule != nullptr ? rule->precision == Precision::fp8 : fp8.at(parent_name);
@@ -378,18 +341,18 @@ std::vector<ModulePrecision> apply_precision_map(const std::shared_ptr<torch::nn
                              (mixed_dtype_norms && detail::is_layer_or_group_norm(module)));
     if (mappable == nullptr && !plain_norm) {
       const bool old_norm = P::cast_model && detail::is_layer_or_group_norm(module);
-      auto holder = module.name();  // torch::nn::LinearImpl's holder is torch::nn::Linear
-      if (holder.size() > 4 && holder.ends_with("Impl")) holder.resize(holder.size() - 4);
       detail::fail("module '", name, "' (", module.name(), ") is mapped to ",
                    c10::toString(dtype), " inside ", c10::toString(parent), " computation under ",
                    P::name, ", but LibTorch modules have no forward hooks: nothing can change its "
                    "inputs' dtype", old_norm ? " (LibTorch 1.13's LayerNorm and GroupNorm refuse "
                    "Low inputs with fp32 weights)" : "", ". Declare it in the model as "
-                   "mixprec::nn::Mappable<", holder, "> (the same parameter names and forward), "
-                   "or map a Mappable module around it; nothing was changed");
+                   "mixprec::nn::Mappable<", detail::holder_name(module), "> (the same parameter "
+                   "names and forward), or map a Mappable module around it; nothing was changed");
     }
     // (A precision that differs from the parent's comes from a rule of this module's own.)
-    if (mappable != nullptr) roots.push_back({item.value(), mappable, dtype, parent, rule->output});
+    if (mappable != nullptr) {
+      roots.push_back({name, item.value(), mappable, dtype, parent, rule->output});
+    }
   }
 
   if constexpr (P::cast_model) {
@@ -426,12 +389,29 @@ std::vector<ModulePrecision> apply_precision_map(const std::shared_ptr<torch::nn
     for (const auto& item : named) {
       if (dtypes.at(item.key()) != c10::ScalarType::Float) check_cast(*item.value(), item.key());
     }
+    // An output kept in its own dtype must reach a module that takes it, where the model says
+    // which module that is (a Sequential's next); elsewhere the forward pass tells (the
+    // Trainer's OwnOutputWatch).
+    std::unordered_map<std::string, detail::MappedModule> mapped;
+    for (const auto& root : roots) {
+      mapped[root.name] = {root.dtype, true, root.output == Output::own};
+    }
+    const auto mapped_of = [&](const std::string& path) {
+      const auto it = mapped.find(path);
+      return it != mapped.end() ? it->second : detail::MappedModule{dtypes.at(path)};
+    };
+    for (const auto& root : roots) {
+      if (root.output != Output::own) continue;
+      detail::check_own_output_readers(*model, root.name, root.dtype, root.parent, mapped_of,
+                                       P::keep_batch_norm_fp32, mixed_dtype_norms, P::name);
+    }
   }
 
   // All checks passed.
   for (const auto& root : roots) {
     detail::MappableBase::Region region;
     region.active = true;
+    region.path = root.name;
     region.dtype = root.dtype;
     region.cast_output = root.output == Output::surroundings;
     if constexpr (P::cast_model) {

@@ -17,6 +17,7 @@
 
 #include <mixprec/autocast.hpp>
 #include <mixprec/concepts.hpp>
+#include <mixprec/detail/fp8_layers.hpp>
 #include <mixprec/detail/step_group.hpp>
 #include <mixprec/detail/trained_tensors.hpp>
 #include <mixprec/detail/trainer_setup.hpp>
@@ -148,7 +149,12 @@ class Trainer {
     at::NoGradGuard no_grad;
     detail::TrainingModeGuard mode(*model_, /*training=*/false);
     const PolicyAutocast<P> guard(tensors_.device_types());
-    return detail::run_forward<P>("evaluate()'s forward", forward);
+    // LibTorch's dtype errors explained: a kept fp32 output read by a Low module, else a
+    // floating input that did not go through cast_input().
+    detail::OwnOutputWatch watch(*model_);
+    return detail::run_forward<P>("evaluate()'s forward", [&]() -> decltype(auto) {
+      return watch.run(forward);
+    });
   }
 
   /// A batch in the policy's compute dtype: Low for MixedO2/PureHalf; unchanged for O0/O1 and
@@ -298,7 +304,8 @@ class Trainer {
       std::optional<NonFiniteOpFinder> finder;
       if (options_.find_non_finite_op()) finder.emplace();
       const PolicyAutocast<P> guard(tensors_.device_types());
-      loss = detail::run_forward<P>("step()'s loss_fn", loss_fn);
+      detail::OwnOutputWatch watch(*model_);
+      loss = detail::run_forward<P>("step()'s loss_fn", [&] { return watch.run(loss_fn); });
       if (finder) non_finite_op = finder->first();
     }
     const auto loss32 = detail::checked_loss(loss);
@@ -439,8 +446,8 @@ class Trainer {
   }
 
   detail::CheckpointParts parts(const std::optional<detail::ConsolidatedState>& view) const {
-    return {P::name, *model_, view ? *view->optimizer : *optimizer_, masters_of(view),
-            data_parallel_.get(), options_.fused_optimizer()};
+    return {detail::policy_identity<P>(), *model_, view ? *view->optimizer : *optimizer_,
+            masters_of(view), data_parallel_.get(), options_.fused_optimizer()};
   }
 
   void check_saveable(const UserValues& user) const {
@@ -484,7 +491,7 @@ class Trainer {
     if constexpr (detail::fp8_policy<P>) {
       c10::IValue saved;
       archive.try_read("mixprec.fp8", saved);
-      fp8_state = fp8_.check_state(saved, source);
+      fp8_state = fp8_.check_state(saved, source, /*recipe_recorded=*/loaded.policy_settings);
     }
     commit();  // every rank has read and checked all of it
     if (view) {  // sharded: read into the full view, then each rank takes its slices

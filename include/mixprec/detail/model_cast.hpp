@@ -33,6 +33,7 @@ class MappableBase {
  public:
   struct Region {
     bool active = false;       // its precision differs from its parent's
+    std::string path;          // its named_modules() path in the mapped model, for Errors
     c10::ScalarType dtype = c10::ScalarType::Float;
     bool cast_inputs = false;  // floating inputs to `dtype`
     bool cast_output = false;  // the output to `output_dtype` (unset: the input's dtype)

@@ -1,10 +1,13 @@
 #pragma once
 // What survives a restart: a Trainer's checkpoint format (written; read and checked without
-// changing anything; then applied), the RNG states it carries (shared with advise), the
-// data-parallel vote around writing and reading it, and the export of the fp32 weights.
+// changing anything; then applied), the RNG states it carries (shared with advise), and the
+// data-parallel vote around writing and reading it. The export of the fp32 weights is
+// fp32_export.hpp.
 
 #include <mixprec/detail/atomic_file.hpp>
 #include <mixprec/detail/checkpoint_file.hpp>
+#include <mixprec/detail/fp32_export.hpp>
+#include <mixprec/detail/policy_identity.hpp>
 #include <mixprec/detail/rng_states.hpp>
 #include <mixprec/detail/sharded_optimizer.hpp>
 #include <mixprec/detail/step_group.hpp>
@@ -41,12 +44,6 @@ namespace mixprec {
 /// The user's own values saved in a Trainer's checkpoint (the epoch, the position in the data),
 /// by name: anything an IValue holds (ints, doubles, bools, strings, tensors, lists of them).
 using UserValues = std::map<std::string, c10::IValue>;
-
-/// The file formats of Trainer::save_fp32.
-enum class WeightsFormat {
-  libtorch,  ///< Module::save's archive: torch::load(fp32_model, path) in C++
-  pickle,    ///< pickled (name, tensor) pairs: dict(torch.load(path)) in Python
-};
 
 namespace detail {
 
@@ -112,7 +109,7 @@ struct TrainerCounters {
 
 /// The parts of a Trainer that its checkpoint holds.
 struct CheckpointParts {
-  std::string_view policy;
+  PolicyIdentity policy;
   torch::nn::Module& model;
   torch::optim::Optimizer& optimizer;
   const MasterWeights* masters;  // null: none
@@ -166,7 +163,8 @@ inline void write_state(torch::serialize::OutputArchive& archive,
                              const CheckpointParts& parts, const TrainerCounters& counters,
                              const c10::IValue& scaler_state, const RankRngs& rngs,
                              const UserValues& user) {
-  archive.write("mixprec.policy", c10::IValue(std::string(parts.policy)));
+  archive.write("mixprec.policy", c10::IValue(parts.policy.name));
+  archive.write("mixprec.policy_settings", c10::IValue(parts.policy.settings));
   archive.write("mixprec.optimizer", c10::IValue(optimizer_type(parts.optimizer)));
   archive.write("mixprec.fused_optimizer", c10::IValue(parts.fused_optimizer));
   archive.write("mixprec.counters", at::tensor({counters.steps, counters.skipped_steps,
@@ -219,6 +217,7 @@ inline void write_state(torch::serialize::OutputArchive& archive,
 
 /// A checkpoint read and checked against the trainer's parts; nothing has changed yet.
 struct LoadedState {
+  bool policy_settings = false;  // whether the checkpoint recorded them (written since they exist)
   TrainerCounters counters;
   std::vector<std::pair<at::Tensor, at::Tensor>> assignments;  // (target, value): model, masters
   c10::IValue scaler_state;                                    // a dict
@@ -352,12 +351,20 @@ inline UserValues read_user_values(torch::serialize::InputArchive& archive,
 /// Reads everything into temporaries and checks that it fits `parts`; changes nothing.
 inline LoadedState read_state(torch::serialize::InputArchive& archive,
                                         const std::string& path, const CheckpointParts& parts) {
-  c10::IValue policy_name;
+  c10::IValue policy_name, policy_settings;
   MIXPREC_CHECK(archive.try_read("mixprec.policy", policy_name) && policy_name.isString(),
                 "'", path, "' is not a mixprec checkpoint (no policy recorded)");
-  MIXPREC_CHECK(policy_name.toStringRef() == parts.policy, "checkpoint '", path, "' was "
-                "written by Trainer<", policy_name.toStringRef(), ">, this is Trainer<",
-                parts.policy, ">: load it with the same policy");
+  LoadedState loaded;
+  if (archive.try_read("mixprec.policy_settings", policy_settings)) {
+    MIXPREC_CHECK(policy_settings.isString(), "'", path, "' holds a damaged policy record");
+    check_policy_settings(policy_name.toStringRef(), policy_settings.toStringRef(), parts.policy,
+                          path);
+    loaded.policy_settings = true;
+  } else {  // written before the settings were recorded: by name, as then
+    MIXPREC_CHECK(policy_name.toStringRef() == parts.policy.name, "checkpoint '", path, "' was "
+                  "written by Trainer<", policy_name.toStringRef(), ">, this is Trainer<",
+                  parts.policy.name, ">: load it with the same policy");
+  }
   // Adam's and AdamW's options and state have the same fields: only the recorded type tells
   // them apart (a checkpoint from before it was recorded loads as it did).
   c10::IValue optimizer_name;
@@ -369,7 +376,6 @@ inline LoadedState read_state(torch::serialize::InputArchive& archive,
                   " optimizer, this Trainer steps a ", own_type,
                   ": load it into the same optimizer type");
   }
-  LoadedState loaded;
   at::Tensor counters;
   MIXPREC_CHECK(archive.try_read("mixprec.counters", counters) && counters.numel() == 3 &&
                     counters.scalar_type() == at::kLong,
@@ -502,72 +508,6 @@ UserValues voted_load(StepGroup* group, const std::string& source, Load&& load) 
   } catch (...) {
     if (group != nullptr && !voted) (void)group->any(true);
     throw;
-  }
-}
-
-// A model tensor's fp32 value: its master's under MixedO2, else itself cast (integers as is).
-inline at::Tensor fp32_of(const at::Tensor& t, const MasterWeights* masters) {
-  const auto master = masters ? masters->master_of(t) : at::Tensor();
-  const auto& value = master.defined() ? master : t;
-  if (!value.is_floating_point()) return value.detach().clone();
-  return value.detach().to(at::kFloat, /*non_blocking=*/false, /*copy=*/true);
-}
-
-inline torch::OrderedDict<std::string, at::Tensor> fp32_state_dict(
-    const torch::nn::Module& model, const MasterWeights* masters) {
-  torch::OrderedDict<std::string, at::Tensor> result;
-  for (const auto& item : model.named_parameters()) {
-    result.insert(item.key(), fp32_of(item.value(), masters));
-  }
-  for (const auto& item : model.named_buffers()) {
-    result.insert(item.key(), fp32_of(item.value(), masters));
-  }
-  return result;
-}
-
-// Module::save's layout (own parameters, own buffers, one archive per child), fp32 values.
-inline void write_fp32_module(const torch::nn::Module& module, const MasterWeights* masters,
-                              torch::serialize::OutputArchive& archive) {
-  for (const auto& item : module.named_parameters(/*recurse=*/false)) {
-    archive.write(item.key(), fp32_of(item.value(), masters));
-  }
-  for (const auto& item : module.named_buffers(/*recurse=*/false)) {
-    archive.write(item.key(), fp32_of(item.value(), masters), /*is_buffer=*/true);
-  }
-  for (const auto& child : module.named_children()) {
-    torch::serialize::OutputArchive child_archive;
-    write_fp32_module(*child.value(), masters, child_archive);
-    archive.write(child.key(), child_archive);
-  }
-}
-
-inline void save_fp32(const std::string& path, WeightsFormat format,
-                      const torch::nn::Module& model, const MasterWeights* masters) {
-  try {
-    AtomicFile file(path);
-    if (format == WeightsFormat::pickle) {
-      // Pairs in a tuple, not a dict: LibTorch tags a dict's type with a global that
-      // Python's torch.load(weights_only=True), its default since 2.6, refuses.
-      std::vector<c10::IValue> pairs;
-      for (const auto& item : fp32_state_dict(model, masters)) {
-        pairs.emplace_back(
-            c10::ivalue::Tuple::create({c10::IValue(item.key()), c10::IValue(item.value())}));
-      }
-      const auto bytes =
-          torch::pickle_save(c10::IValue(c10::ivalue::Tuple::create(std::move(pairs))));
-      file.write(bytes.data(), bytes.size());
-    } else {
-      torch::serialize::OutputArchive archive;
-      write_fp32_module(model, masters, archive);
-      archive.save_to([&](const void* data, std::size_t size) -> std::size_t {
-        return file.write(data, size) ? size : 0;
-      });
-    }
-    file.commit();
-  } catch (const Error&) {
-    throw;
-  } catch (const std::exception& e) {
-    fail("cannot write fp32 weights to '", path, "': ", message_of(e));
   }
 }
 
