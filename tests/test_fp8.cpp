@@ -11,6 +11,7 @@
 
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <functional>
@@ -633,5 +634,89 @@ TEST_CASE("advise: which Float8Linear layers fp8 holds, and the map that keeps t
     CHECK(model[4]->template as<mp::nn::Float8LinearImpl>()->computes_fp8());
     CHECK_THROWS_WITH_AS(mp::advise(model, loss_fn, mp::AdviseOptions().fp8_underflow_tolerance(1)),
                          doctest::Contains("fp8_underflow_tolerance must be in [0, 1)"), mp::Error);
+  });
+}
+
+TEST_CASE("Float8Linear's fp8 products without bias, with frozen tensors, an input that needs no "
+          "gradient or grad mode off: forward and every gradient against fp64 on the same operands" *
+          doctest::skip(!mp::has_fp8)) {
+  with_fp8([](auto) {
+    enum class Bias { none, trained, frozen };
+    struct Case {
+      Bias bias;
+      bool weight_grad, input_grad, grad_mode;
+    };
+    std::vector<Case> cases;
+    for (const auto bias : {Bias::none, Bias::trained, Bias::frozen}) {
+      for (const bool weight_grad : {true, false}) {
+        for (const bool input_grad : {true, false}) cases.push_back({bias, weight_grad, input_grad, true});
+      }
+    }
+    cases.push_back({Bias::none, true, true, false});
+    cases.push_back({Bias::trained, true, true, false});
+    const auto deq = [](const mp::Fp8Tensor& t) { return t.data.to(at::kDouble) / t.scale.to(at::kDouble); };
+    // At most one bf16 ulp of the reference's largest value.
+    const auto check_bf16 = [](const at::Tensor& actual, const at::Tensor& expected, double& worst) {
+      REQUIRE(actual.sizes() == expected.sizes());
+      const auto e = expected.to(at::kDouble);
+      const double diff = (actual.to(at::kDouble) - e).abs().max().template item<double>();
+      const double ulp = e.abs().max().template item<double>() / 128;
+      worst = std::max(worst, diff / ulp);
+      CHECK(diff <= ulp);
+    };
+    double worst = 0;
+    torch::manual_seed(31);
+    const auto x = torch::randn({4, 3, 16}).to(at::kBFloat16);
+    const auto probe = torch::randn({4, 3, 8});
+    for (const auto& c : cases) {
+      INFO("bias ", static_cast<int>(c.bias), ", weight grad ", c.weight_grad, ", input grad ",
+           c.input_grad, ", grad mode ", c.grad_mode);
+      torch::manual_seed(32);
+      mp::nn::Float8Linear layer(torch::nn::LinearOptions(16, 8).bias(c.bias != Bias::none));
+      layer->to(at::kBFloat16);  // as MixedFP8 casts it
+      layer->set_fp8_state(c10::make_intrusive<mp::detail::Fp8LayerState>(false, 0, 0));
+      layer->keep_operands();
+      layer->weight.requires_grad_(c.weight_grad);
+      if (c.bias != Bias::none) layer->bias.requires_grad_(c.bias == Bias::trained);
+      const auto input = x.clone().requires_grad_(c.input_grad);
+      at::Tensor y;
+      {
+        const torch::AutoGradMode mode(c.grad_mode);
+        y = layer(input);
+      }
+      CHECK(y.scalar_type() == at::kBFloat16);
+      const bool any = c.input_grad || c.weight_grad || c.bias == Bias::trained;
+      CHECK(y.requires_grad() == (c.grad_mode && any));
+      const auto& ops = layer->last_operands();
+      auto forward = deq(ops.input).matmul(deq(ops.weight).t()).to(at::kBFloat16);
+      if (c.bias != Bias::none) forward = forward + layer->bias.detach();
+      check_bf16(y.reshape({12, 8}), forward, worst);
+      if (!y.requires_grad()) continue;
+      (y.to(at::kFloat) * probe).sum().backward();
+      // What the layer's backward cast; it ran only where the input or the weight needs a gradient.
+      const auto g = [&] { return deq(ops.grad_output); };
+      CHECK(ops.grad_output.data.defined() == (c.input_grad || c.weight_grad));
+      if (c.input_grad) {
+        REQUIRE(input.grad().defined());
+        check_bf16(input.grad().reshape({12, 16}), g().matmul(deq(ops.weight)), worst);
+      } else {
+        CHECK_FALSE(input.grad().defined());
+      }
+      if (c.weight_grad) {
+        REQUIRE(layer->weight.grad().defined());
+        check_bf16(layer->weight.grad(), g().t().matmul(deq(ops.input)), worst);
+      } else {
+        CHECK_FALSE(layer->weight.grad().defined());
+      }
+      if (c.bias == Bias::trained) {
+        // The bias is added after the product, in bf16: its gradient is the upstream one's sum.
+        REQUIRE(layer->bias.grad().defined());
+        check_bf16(layer->bias.grad(), probe.to(at::kBFloat16).to(at::kDouble).sum(at::IntArrayRef{0, 1}), worst);
+      } else if (c.bias == Bias::frozen) {
+        CHECK_FALSE(layer->bias.grad().defined());
+      }
+    }
+    MESSAGE("largest difference from fp64 on the fp8 operands, in bf16 ulps of the largest value: "
+            << worst);
   });
 }

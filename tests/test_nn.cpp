@@ -12,8 +12,12 @@
 
 #include <doctest/doctest.h>
 
+#include <algorithm>
+#include <cstdint>
+#include <memory>
 #include <sstream>
 #include <string>
+#include <string_view>
 #include <vector>
 
 namespace mp = mixprec;
@@ -234,6 +238,259 @@ TEST_CASE("a Trainer<MixedO2<Half>> trains a CNN with fp32 conv weight gradients
   MESSAGE("largest loss difference over 20 steps: " << worst);
   CHECK(ours.back() < ours.front() * 0.7);  // it learns
   CHECK(worst < 0.02);                      // and follows the fp16 run within its rounding
+}
+
+// ---------------------------------------------------------------------------------------------
+// Optional inputs are undefined tensors (STYLE.md): each layer with code of its own runs without
+// bias, with a trained or a frozen bias, with a frozen weight, with an input that needs no
+// gradient (a network's first layer), and in evaluation (grad mode off): every way an undefined
+// tensor or gradient flows into or out of its autograd Function. Under each policy, against the
+// plain LibTorch module in fp32 holding the values the policy computes with.
+
+namespace {
+
+enum class Bias { none, trained, frozen };
+
+struct Inputs {
+  Bias bias;
+  bool weight_grad, input_grad, grad_mode;
+};
+
+std::string describe(const Inputs& in) {
+  std::ostringstream text;
+  text << (in.bias == Bias::none ? "no bias" : in.bias == Bias::trained ? "trained bias" : "frozen bias")
+       << (in.weight_grad ? ", trained weight" : ", frozen weight")
+       << (in.input_grad ? ", input needs a gradient" : ", input needs none")
+       << (in.grad_mode ? "" : ", grad mode off");
+  return text.str();
+}
+
+std::vector<Inputs> every_inputs() {
+  std::vector<Inputs> all;
+  for (const auto bias : {Bias::none, Bias::trained, Bias::frozen}) {
+    for (const bool weight_grad : {true, false}) {
+      for (const bool input_grad : {true, false}) all.push_back({bias, weight_grad, input_grad, true});
+    }
+  }
+  all.push_back({Bias::none, true, true, false});
+  all.push_back({Bias::trained, true, true, false});
+  return all;
+}
+
+// How far a layer's result or gradient computed in `dtype` may be from the fp32 reference,
+// relative to the reference's largest value: one ulp of a 16-bit result (twice its rounding), or
+// 16 of fp32's (another order of accumulation).
+double tolerance_of(at::ScalarType dtype) {
+  if (dtype == at::kHalf) return kHalfEps;
+  if (dtype == at::kBFloat16) return 1.0 / 128;
+  return 16.0 / (1 << 23);
+}
+
+// The largest relative difference of each quantity over the cases of one policy.
+struct Worst {
+  double output = 0, input = 0, weight = 0, bias = 0;
+};
+
+// One forward and backward of `ours` as P runs it (cast to its dtype, or under its autocast) and
+// of `plain`, the LibTorch module in fp32, on the same values. Checks the output, the gradient of
+// every tensor that needs one, and no gradient for those that need none; returns the output.
+template <class P, class Ours, class Plain>
+at::Tensor check_inputs(Ours ours, Plain plain, const Inputs& in, const at::Tensor& x,
+                  const at::Tensor& probe, Worst& worst) {
+  constexpr auto low = P::low_dtype;
+  const double tolerance = tolerance_of(low);
+  if constexpr (P::cast_model) mp::detail::cast_model(*ours, low, P::keep_batch_norm_fp32);
+  // What P computes with: its dtype's rounding (autocast's cast under MixedO1).
+  const auto rounded = [](const at::Tensor& t) { return t.detach().to(low).to(at::kFloat); };
+  plain->weight.set_data(rounded(ours->weight));
+  ours->weight.requires_grad_(in.weight_grad);
+  plain->weight.requires_grad_(in.weight_grad);
+  if (in.bias != Bias::none) {
+    plain->bias.set_data(rounded(ours->bias));
+    ours->bias.requires_grad_(in.bias == Bias::trained);
+    plain->bias.requires_grad_(in.bias == Bias::trained);
+  }
+  const auto input = x.to(mp::compute_dtype<P>).clone().requires_grad_(in.input_grad);
+  const auto reference_input = rounded(x).clone().requires_grad_(in.input_grad);
+  at::Tensor out, expected;
+  {
+    const torch::AutoGradMode grad_mode(in.grad_mode);
+    {
+      const auto guard = mp::autocast<P>(torch::kCPU);
+      out = ours->forward(input);
+    }
+    expected = plain->forward(reference_input);
+  }
+  CHECK(out.scalar_type() == low);
+  const double output_diff = relative(out, expected);
+  worst.output = std::max(worst.output, output_diff);
+  CHECK(output_diff <= tolerance);
+  const bool any_grad = in.input_grad || in.weight_grad || in.bias == Bias::trained;
+  CHECK(out.requires_grad() == (in.grad_mode && any_grad));
+  if (!out.requires_grad()) return out;
+  (out.to(at::kFloat) * probe).sum().backward();
+  (expected * probe).sum().backward();
+  const auto check_grad = [&](const at::Tensor& t, const at::Tensor& reference, double& largest) {
+    if (!reference.requires_grad()) {
+      CHECK_FALSE(t.grad().defined());
+      return;
+    }
+    REQUIRE(t.grad().defined());
+    CHECK(t.grad().scalar_type() == t.scalar_type());
+    const double diff = relative(t.grad(), reference.grad());
+    largest = std::max(largest, diff);
+    CHECK(diff <= tolerance);
+  };
+  check_grad(input, reference_input, worst.input);
+  check_grad(ours->weight, plain->weight, worst.weight);
+  if (in.bias != Bias::none) check_grad(ours->bias, plain->bias, worst.bias);
+  return out;
+}
+
+template <class P>
+void print_worst(std::string_view what, const Worst& worst) {
+  MESSAGE(what << " under " << P::name << ", largest difference from fp32's (relative to its "
+          "largest value): output " << worst.output << "; gradients: input " << worst.input
+          << ", weight " << worst.weight << ", bias " << worst.bias << " (tolerance "
+          << tolerance_of(P::low_dtype) << ")");
+}
+
+// mixprec::nn::Conv2d with fp32_weight_grad on against torch::nn::Conv2d in fp32, every Inputs.
+template <class P>
+void conv_optional_inputs() {
+  torch::manual_seed(21);
+  const auto x = torch::randn({4, 3, 12, 12});
+  const auto probe = torch::randn({4, 6, 12, 12});
+  Worst worst;
+  for (const auto& in : every_inputs()) {
+    INFO(describe(in));
+    torch::manual_seed(22);
+    mp::nn::Conv2d ours(conv_options(false).bias(in.bias != Bias::none));
+    ours->fp32_weight_grad(true);
+    const auto out = check_inputs<P>(
+        ours, torch::nn::Conv2d(conv_options(false).bias(in.bias != Bias::none)), in, x, probe,
+        worst);
+    // The node under test: fp16's convolution is the custom one, the others are LibTorch's.
+    if (out.requires_grad()) {
+      const bool custom = out.grad_fn()->name().find("Fp32WeightGradConv2d") != std::string::npos;
+      CHECK(custom == (P::low_dtype == at::kHalf));
+    }
+  }
+  print_worst<P>("mixprec::nn::Conv2d(fp32_weight_grad)", worst);
+}
+
+// mixprec::nn::Linear and Float8Linear (outside MixedFP8) against torch::nn::Linear in fp32.
+template <class P>
+void linear_optional_inputs() {
+  torch::manual_seed(23);
+  const auto x = torch::randn({2, 4, 6});
+  const auto probe = torch::randn({2, 4, 5});
+  const auto each = [&](auto holder, std::string_view name) {
+    using Holder = decltype(holder);
+    Worst worst;
+    for (const auto& in : every_inputs()) {
+      INFO(name, ": ", describe(in));
+      const auto options = torch::nn::LinearOptions(6, 5).bias(in.bias != Bias::none);
+      torch::manual_seed(24);
+      check_inputs<P>(Holder(options), torch::nn::Linear(options), in, x, probe, worst);
+    }
+    print_worst<P>(name, worst);
+  };
+  each(mp::nn::Linear{nullptr}, "mixprec::nn::Linear");
+  each(mp::nn::Float8Linear{nullptr}, "mixprec::nn::Float8Linear");
+}
+
+// ResNet's basic block: bias-free convolutions, each before a BatchNorm, and a skip connection.
+// Without `affine`, the BatchNorms have no weight or bias either (undefined tensors too).
+struct ResidualNet : torch::nn::Module {
+  static torch::nn::Conv2dOptions conv(std::int64_t in, std::int64_t out) {
+    return torch::nn::Conv2dOptions(in, out, 3).padding(1).bias(false);
+  }
+  explicit ResidualNet(bool affine) {
+    const auto norm = torch::nn::BatchNorm2dOptions(8).affine(affine);
+    stem = register_module("stem", mp::nn::Conv2d(conv(1, 8)));
+    bn0 = register_module("bn0", torch::nn::BatchNorm2d(norm));
+    conv1 = register_module("conv1", mp::nn::Conv2d(conv(8, 8)));
+    bn1 = register_module("bn1", torch::nn::BatchNorm2d(norm));
+    conv2 = register_module("conv2", mp::nn::Conv2d(conv(8, 8)));
+    bn2 = register_module("bn2", torch::nn::BatchNorm2d(norm));
+    fc = register_module("fc", torch::nn::Linear(8, 3));
+  }
+  at::Tensor forward(const at::Tensor& x) {
+    const auto h = torch::relu(bn0(stem(x)));
+    const auto block = bn2(conv2(torch::relu(bn1(conv1(h)))));
+    return fc(torch::relu(h + block).mean({2, 3}));
+  }
+  mp::nn::Conv2d stem{nullptr}, conv1{nullptr}, conv2{nullptr};
+  torch::nn::BatchNorm2d bn0{nullptr}, bn1{nullptr}, bn2{nullptr};
+  torch::nn::Linear fc{nullptr};
+};
+
+// The losses of 20 steps of a Trainer<P> on ResidualNet, with the fp32 weight gradients or not.
+template <class P>
+std::vector<double> train_residual(bool remedy, bool affine) {
+  torch::manual_seed(25);
+  auto model = std::make_shared<ResidualNet>(affine);
+  CHECK(mp::nn::fp32_conv_weight_grads(*model, remedy) == 3);
+  torch::optim::SGD sgd(model->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
+  mp::Trainer<P> trainer(model, sgd);
+  torch::manual_seed(26);
+  const auto x = torch::randn({16, 1, 8, 8});
+  const auto y = torch::randint(0, 3, {16});
+  std::vector<double> losses;
+  for (int i = 0; i < 20; ++i) {
+    const auto report = trainer.step([&] {
+      return torch::nn::functional::cross_entropy(model->forward(trainer.cast_input(x)).to(at::kFloat), y);
+    });
+    losses.push_back(report.loss.template item<double>());
+  }
+  return losses;
+}
+
+}  // namespace
+
+TEST_CASE_TEMPLATE("nn::Conv2d with fp32 weight gradients, without bias or with frozen tensors, "
+                   "under each fp16 policy: output and every gradient as fp32's torch::nn::Conv2d" *
+                       doctest::skip(!mp::cpu_half_math),
+                   P, mp::MixedO1<at::Half>, mp::MixedO2<at::Half>, mp::PureHalf<at::Half>) {
+  conv_optional_inputs<P>();
+}
+
+TEST_CASE_TEMPLATE("nn::Conv2d with fp32 weight gradients, without bias or with frozen tensors, "
+                   "under the other policies (torch::nn::Conv2d's path)",
+                   P, mp::FullPrecision, mp::MixedO1<at::BFloat16>, mp::MixedO2<at::BFloat16>,
+                   mp::PureHalf<at::BFloat16>) {
+  conv_optional_inputs<P>();
+}
+
+TEST_CASE_TEMPLATE("nn::Linear and nn::Float8Linear without bias or with frozen tensors, under "
+                   "each fp16 policy, as fp32's torch::nn::Linear" * doctest::skip(!mp::cpu_half_math),
+                   P, mp::MixedO1<at::Half>, mp::MixedO2<at::Half>, mp::PureHalf<at::Half>) {
+  linear_optional_inputs<P>();
+}
+
+TEST_CASE_TEMPLATE("nn::Linear and nn::Float8Linear without bias or with frozen tensors, under "
+                   "the other policies, as fp32's torch::nn::Linear",
+                   P, mp::FullPrecision, mp::MixedO1<at::BFloat16>, mp::MixedO2<at::BFloat16>,
+                   mp::PureHalf<at::BFloat16>) {
+  linear_optional_inputs<P>();
+}
+
+TEST_CASE_TEMPLATE("a ResNet block (bias-free convolutions before BatchNorm) trains with fp32 "
+                   "conv weight gradients under each fp16 policy as with LibTorch's" *
+                       doctest::skip(!mp::cpu_half_math),
+                   P, mp::MixedO1<at::Half>, mp::MixedO2<at::Half>, mp::PureHalf<at::Half>) {
+  for (const bool affine : {true, false}) {
+    const auto plain = train_residual<P>(false, affine), ours = train_residual<P>(true, affine);
+    double worst = 0;
+    for (std::size_t i = 0; i < plain.size(); ++i) worst = std::max(worst, std::abs(plain[i] - ours[i]));
+    const std::string norms = affine ? "" : ", BatchNorm without affine";
+    MESSAGE(P::name << norms << ": loss " << ours.front()
+            << " -> " << ours.back() << "; largest difference from LibTorch's fp16 weight "
+            << "gradients over 20 steps: " << worst);
+    CHECK(ours.back() < ours.front() * 0.7);  // it learns
+    CHECK(worst < 0.02);                      // and follows the fp16 run within its rounding
+  }
 }
 
 TEST_CASE("the Trainer warns once, through on_warning, of slow fp16 convolutions on such a CPU") {

@@ -12,6 +12,7 @@
 #include <mixprec/ops.hpp>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace mp = mixprec;
@@ -910,4 +911,144 @@ TEST_CASE("masked_softmax backward: inf or NaN arriving at masked outputs change
       CHECK(at::equal(fast.masked_select(rows.logical_not()), at::zeros({6}, dtype)));
     }
   }
+}
+
+// ---- Optional inputs are undefined tensors (STYLE.md): every op whose mask, weight or bias is
+// optional runs without it, with tensors that need no gradient (an input, a frozen weight or
+// bias, a float mask from a computation) and in evaluation (grad mode off): every way an
+// undefined tensor or gradient reaches an op and its autograd Functions. Against fp64.
+
+namespace {
+
+enum class Param { none, trained, frozen };
+
+const char* name_of(Param p) {
+  return p == Param::none ? "none" : p == Param::trained ? "trained" : "frozen";
+}
+
+// Upstream gradients that every dtype holds exactly (multiples of 1/8 in [-4, 4]), so that the
+// reference sees what the op saw.
+at::Tensor exact_probe(at::IntArrayRef sizes) {
+  at::manual_seed(8);
+  return ((at::randn(sizes) * 8).round() / 8).clamp(-4, 4);
+}
+
+// One backward of `y` and of `reference` against the same probe; then each tensor's gradient
+// against its reference's, and no gradient where none is needed.
+void check_gradients(const at::Tensor& y, const at::Tensor& reference,
+                     const std::vector<std::pair<at::Tensor, at::Tensor>>& tensors) {
+  const auto probe = exact_probe(y.sizes());
+  (y.to(at::kDouble) * probe).sum().backward();
+  (reference * probe).sum().backward();
+  for (const auto& [t, t_ref] : tensors) {
+    if (!t.defined()) continue;
+    if (!t_ref.requires_grad()) {
+      CHECK_FALSE(t.grad().defined());
+      continue;
+    }
+    REQUIRE(t.grad().defined());
+    CHECK(t.grad().scalar_type() == t.scalar_type());
+    check_close(t.grad(), t_ref.grad());
+  }
+}
+
+}  // namespace
+
+TEST_CASE_TEMPLATE("optional inputs left undefined or frozen: no mask, layer_norm without weight "
+                   "or bias; values and every gradient as fp64's, under every policy",
+                   P, mp::FullPrecision, mp::MixedO1<at::BFloat16>, mp::MixedO1<at::Half>,
+                   mp::MixedO2<at::BFloat16>, mp::MixedO2<at::Half>, mp::PureHalf<at::BFloat16>,
+                   mp::PureHalf<at::Half>) {
+  using T = const at::Tensor&;
+  struct Unmasked {
+    std::string name;
+    std::function<at::Tensor(T)> run;
+    std::function<at::Tensor(T)> reference;
+  };
+  const std::vector<Unmasked> unmasked{
+      {"masked_softmax", [](T x) { return ops::masked_softmax<P>(x, {}, 1); },
+       [](T x) { return at::softmax(x, 1); }},
+      {"masked_softmax(memory_efficient)", [](T x) { return ops::masked_softmax<P>(x, {}, 1, true); },
+       [](T x) { return at::softmax(x, 1); }},
+      {"masked_log_softmax", [](T x) { return ops::masked_log_softmax<P>(x, {}, 1); },
+       [](T x) { return at::log_softmax(x, 1); }},
+      {"logsumexp", [](T x) { return ops::logsumexp<P>(x, {}, 1); },
+       [](T x) { return at::logsumexp(x, 1); }},
+  };
+  const auto weight = exact_probe({6}) + 1, bias = exact_probe({6}).flip(0);
+  for (const auto dtype : float_dtypes) {
+    INFO(std::string(c10::toString(dtype)));
+    const auto output = expected_output(P::autocast, dtype);
+    for (const bool grad_mode : {true, false}) {
+      for (const bool input_grad : {true, false}) {
+        INFO("grad mode ", grad_mode, ", input needs a gradient ", input_grad);
+        const auto fresh = [&](const at::Tensor& t, at::ScalarType type, bool grad) {
+          return t.detach().to(type).clone().requires_grad_(grad);
+        };
+        for (const auto& op : unmasked) {
+          INFO(op.name);
+          const auto x = fresh(row_values(), dtype, input_grad);
+          const auto x_ref = fresh(x, at::kDouble, input_grad);
+          at::Tensor y;
+          {
+            const torch::AutoGradMode mode(grad_mode);
+            y = op.run(x);
+          }
+          CHECK(y.scalar_type() == output);
+          const auto y_ref = op.reference(x_ref);
+          check_close(y, y_ref);
+          CHECK(y.requires_grad() == (grad_mode && input_grad));
+          if (y.requires_grad()) check_gradients(y, y_ref, {{x, x_ref}});
+        }
+        // layer_norm: weight and bias each absent, trained or frozen.
+        for (const auto w_kind : {Param::none, Param::trained, Param::frozen}) {
+          for (const auto b_kind : {Param::none, Param::trained, Param::frozen}) {
+            INFO("layer_norm, weight ", name_of(w_kind), ", bias ", name_of(b_kind));
+            const auto param = [&](const at::Tensor& t, Param kind, at::ScalarType type) {
+              return kind == Param::none ? at::Tensor() : fresh(t, type, kind == Param::trained);
+            };
+            const auto x = fresh(row_values(), dtype, input_grad);
+            const auto w = param(weight, w_kind, dtype), b = param(bias, b_kind, dtype);
+            const auto x_ref = fresh(x, at::kDouble, input_grad);
+            const auto w_ref = param(weight, w_kind, at::kDouble);
+            const auto b_ref = param(bias, b_kind, at::kDouble);
+            at::Tensor y;
+            {
+              const torch::AutoGradMode mode(grad_mode);
+              y = ops::layer_norm<P>(x, {6}, w, b);
+            }
+            CHECK(y.scalar_type() == output);
+            const auto y_ref = at::layer_norm(x_ref, {6}, w_ref, b_ref);
+            check_close(y, y_ref);
+            const bool any = input_grad || w_kind == Param::trained || b_kind == Param::trained;
+            CHECK(y.requires_grad() == (grad_mode && any));
+            if (y.requires_grad()) check_gradients(y, y_ref, {{x, x_ref}, {w, w_ref}, {b, b_ref}});
+          }
+        }
+      }
+    }
+    // A float 0/1 mask computed with a gradient gets none; a vector that needs none gives an
+    // output that needs none (masked_softmax's node then records nothing).
+    const auto keep = row_mask();
+    for (const bool input_grad : {true, false}) {
+      INFO("masked_softmax with a float mask that requires grad, input needs a gradient ", input_grad);
+      const auto mask = keep.to(at::kFloat).requires_grad_();
+      const auto x = row_values().to(dtype).clone().requires_grad_(input_grad);
+      const auto y = ops::masked_softmax<P>(x, mask * 1, 1);
+      CHECK(y.requires_grad() == input_grad);
+      const MaskedOp op = masked_ops<P>(dtype)[0];
+      const auto x_ref = x.detach().to(at::kDouble).requires_grad_(input_grad);
+      const auto y_ref = per_row_reference(op, x_ref, keep);
+      check_close(y, y_ref);
+      if (input_grad) check_gradients(y, y_ref, {{x, x_ref}});
+      CHECK_FALSE(mask.grad().defined());
+    }
+  }
+  // Where the mask is not optional, its absence is an Error that says what to pass instead.
+  const auto x = row_values();
+  using doctest::Contains;
+  const auto* needs_mask = "the mask is an undefined tensor; this op needs one";
+  CHECK_THROWS_WITH_AS(ops::masked_max<P>(x, {}, 1), Contains(needs_mask), mp::Error);
+  CHECK_THROWS_WITH_AS(ops::masked_mean<P>(x, {}, 1), Contains(needs_mask), mp::Error);
+  CHECK_THROWS_WITH_AS(ops::replace_masked_values<P>(x, {}, 0.0), Contains(needs_mask), mp::Error);
 }

@@ -31,6 +31,7 @@
 /// ~12,000x fp32's time on a Xeon (docs/fp8.md).
 
 #include <mixprec/compat.hpp>
+#include <mixprec/detail/autograd_function.hpp>
 #include <mixprec/detail/model_cast.hpp>
 #include <mixprec/error.hpp>
 #include <mixprec/nn.hpp>
@@ -301,7 +302,7 @@ class Fp8LayerState : public torch::CustomClassHolder {
 };
 
 /// The fp8 matrix products of a linear layer, with their backward (see the top of the header).
-struct Fp8LinearFunction : public torch::autograd::Function<Fp8LinearFunction> {
+struct Fp8LinearFunction : public AutogradFunction<Fp8LinearFunction> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& input,
                             const at::Tensor& weight, const c10::intrusive_ptr<Fp8LayerState>& state) {
     const auto in_features = weight.size(1);

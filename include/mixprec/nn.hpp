@@ -24,6 +24,7 @@
 ///   mixprec::nn::fp32_conv_weight_grads(*model);  // every mixprec::nn::Conv2d of the model
 
 #include <mixprec/autocast.hpp>
+#include <mixprec/detail/autograd_function.hpp>
 #include <mixprec/error.hpp>
 
 #include <ATen/ATen.h>
@@ -44,8 +45,6 @@
 namespace mixprec::nn {
 namespace detail {
 
-// A 2-D convolution of same-dtype tensors whose backward computes the input gradient in that
-// dtype and the weight and bias gradients in fp32, rounded once to the weight's dtype.
 // The alternative T of a torch::nn option's variant, or nullptr: LibTorch 1.13's options hold a
 // c10::variant, 2.x's a std::variant; argument-dependent lookup finds the get_if of either.
 template <class T, class Variant>
@@ -54,7 +53,11 @@ const T* variant_get_if(const Variant& v) noexcept {
   return get_if<T>(&v);
 }
 
-struct Fp32WeightGradConv2d : torch::autograd::Function<Fp32WeightGradConv2d> {
+// A 2-D convolution of same-dtype tensors whose backward computes the input gradient in that
+// dtype and the weight and bias gradients in fp32, rounded once to the weight's dtype. The bias
+// is optional (undefined: see mixprec/detail/autograd_function.hpp); any input may need no
+// gradient (a network's first layer, a frozen weight).
+struct Fp32WeightGradConv2d : mixprec::detail::AutogradFunction<Fp32WeightGradConv2d> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& input,
                             const at::Tensor& weight, const at::Tensor& bias,
                             std::vector<std::int64_t> stride, std::vector<std::int64_t> padding,
@@ -64,8 +67,8 @@ struct Fp32WeightGradConv2d : torch::autograd::Function<Fp32WeightGradConv2d> {
     ctx->saved_data["padding"] = padding;
     ctx->saved_data["dilation"] = dilation;
     ctx->saved_data["groups"] = groups;
-    ctx->saved_data["bias"] = bias.defined();
-    return at::conv2d(input, weight, bias, stride, padding, dilation, groups);
+    return at::conv2d(input, weight, mixprec::detail::given(bias), stride, padding, dilation,
+                      groups);
   }
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
@@ -77,21 +80,21 @@ struct Fp32WeightGradConv2d : torch::autograd::Function<Fp32WeightGradConv2d> {
     const auto padding = ctx->saved_data["padding"].toIntVector();
     const auto dilation = ctx->saved_data["dilation"].toIntVector();
     const auto groups = ctx->saved_data["groups"].toInt();
-    const bool has_bias = ctx->saved_data["bias"].toBool();
     const auto grad = grads[0].contiguous();
     const std::vector<std::int64_t> no_output_padding(stride.size(), 0);
+    const bool input_grad = ctx->needs_input_grad(0);
+    const bool weight_grad = ctx->needs_input_grad(1);
+    // False for an absent bias too: it came as a placeholder that needs no gradient.
+    const bool bias_grad = ctx->needs_input_grad(2);
     const std::vector<std::int64_t> bias_sizes{weight.size(0)};
     const auto bias_arg =
-        has_bias ? at::OptionalIntArrayRef(bias_sizes) : at::OptionalIntArrayRef();
+        bias_grad ? at::OptionalIntArrayRef(bias_sizes) : at::OptionalIntArrayRef();
     at::Tensor grad_input, grad_weight, grad_bias;
-    if (ctx->needs_input_grad(0)) {
-      grad_input = std::get<0>(at::convolution_backward(grad, input, weight, bias_arg, stride,
-                                                        padding, dilation, false,
-                                                        no_output_padding, groups,
-                                                        {true, false, false}));
+    if (input_grad) {
+      grad_input = std::get<0>(at::convolution_backward(
+          grad, input, weight, at::OptionalIntArrayRef(), stride, padding, dilation, false,
+          no_output_padding, groups, {true, false, false}));
     }
-    const bool weight_grad = ctx->needs_input_grad(1);
-    const bool bias_grad = has_bias && ctx->needs_input_grad(2);
     if (weight_grad || bias_grad) {
       auto fp32 = at::convolution_backward(grad.to(at::kFloat), input.to(at::kFloat),
                                            weight.to(at::kFloat), bias_arg, stride, padding,

@@ -6,12 +6,12 @@
 #include <c10/core/ScalarType.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
-#include <torch/csrc/autograd/custom_function.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <mixprec/detail/autograd_function.hpp>
 #include <mixprec/error.hpp>
 #include <optional>
 #include <string_view>
@@ -102,7 +102,7 @@ inline at::Tensor to_compute(const at::Tensor& tensor) {
 /// through the clamp: a value beyond the range still tells its inputs which way to move (the
 /// clamp's own gradient, 0 outside the range, would silently stop a saturated loss from
 /// learning). Only the gradient's dtype changes on the way back.
-struct SaturatingCast : torch::autograd::Function<SaturatingCast> {
+struct SaturatingCast : mixprec::detail::AutogradFunction<SaturatingCast> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& result,
                             c10::ScalarType output) {
     ctx->saved_data["dtype"] = static_cast<int64_t>(result.scalar_type());
@@ -164,7 +164,9 @@ inline int64_t wrap_dim(std::string_view op, const at::Tensor& tensor, int64_t d
 /// what a [batch, keys] mask of [batch, queries, keys] scores meant.
 inline at::Tensor prepare_mask(std::string_view op, const at::Tensor& vector,
                                const at::Tensor& mask, std::optional<int64_t> reduced_dim) {
-  check_defined(op, mask, "mask");
+  // The ops whose mask is optional handle an undefined one before they get here.
+  MIXPREC_CHECK(mask.defined(), op, ": the mask is an undefined tensor; this op needs one "
+                "(at::ones_like(vector, at::kBool) keeps every entry)");
   MIXPREC_CHECK(mask.device() == vector.device(), op, ": the mask is on ", mask.device(),
                 " but the vector is on ", vector.device(), "; move the mask with .to(device)");
   at::Tensor keep;

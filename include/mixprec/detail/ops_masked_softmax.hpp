@@ -2,10 +2,10 @@
 /// Internals of mixprec::ops::masked_softmax: the masked softmax as one autograd node.
 
 #include <ATen/ATen.h>
-#include <torch/csrc/autograd/custom_function.h>
 
 #include <cstdint>
 #include <limits>
+#include <mixprec/detail/autograd_function.hpp>
 #include <mixprec/detail/ops_common.hpp>
 
 namespace mixprec::ops::detail {
@@ -16,7 +16,7 @@ namespace mixprec::ops::detail {
 /// can cost more than the pass that writes it. Here the fill writes one buffer in the compute dtype, and the
 /// softmax runs in place in it; backward needs only that output and the mask, as softmax's own
 /// backward does, and allocates only its result where the gradient is finite.
-struct MaskedSoftmaxFunction : torch::autograd::Function<MaskedSoftmaxFunction> {
+struct MaskedSoftmaxFunction : mixprec::detail::AutogradFunction<MaskedSoftmaxFunction> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& vector,
                             const at::Tensor& keep, int64_t dim, bool uniform_empty_rows) {
     const auto compute = compute_dtype_of(vector.scalar_type());
