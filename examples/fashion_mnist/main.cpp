@@ -7,18 +7,18 @@
 //   ./scripts/demo --device cuda         # Half variants on a GPU (a CUDA build of LibTorch)
 //
 // Each policy trains in a child process (this program re-executed with --result-file), so the
-// peak-RSS column is that policy's own. On a CPU, the fp16 policies are sized by a time budget:
-// a few timed steps of each decide how many images they train on.
+// peak-RSS column is that policy's own. The parent decides once whether the fp16 runs compute
+// their convolution weight gradients in fp32 (mixprec::cpu_capabilities()) and hands that to
+// every child in MIXPREC_FP16_CONV_WEIGHT_GRAD; the table says per run what it computed. On a
+// CPU, the fp16 policies are sized by a time budget: a few timed steps of each decide how many
+// images they train on.
 
 #include <CLI/CLI.hpp>
 #include <mixprec/mixprec.hpp>
-#include <spawn.h>
-#include <sys/wait.h>
 #include <torch/torch.h>
 #include <unistd.h>
 
 #include <algorithm>
-#include <cerrno>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -37,6 +37,7 @@
 #include <utility>
 #include <vector>
 
+#include "child.hpp"
 #include "model.hpp"
 #include "report.hpp"
 
@@ -91,22 +92,49 @@ std::string fixed(double value, int digits) {
 }
 
 // What a run of `dtype`'s group does beyond its policy: where the flags say so (auto: where
-// the CPU probe does), fp32 weight gradients for the fp16 convolutions; channels_last memory.
+// mixprec::cpu_capabilities() does, which in a child is the parent's decision, handed down),
+// fp32 weight gradients for the fp16 convolutions; channels_last memory.
 bool fp32_conv_weight_grads(const Config& c, const std::string& dtype) {
   if (dtype != "fp16" || c.conv_weight_grad == "fp16") return false;
   return c.conv_weight_grad == "fp32" ||
          (c.device == "cpu" && mixprec::cpu_capabilities().fp16_conv_weight_grad_slow);
+}
+// The dtype a run computes its convolutions' weight gradients in, and whether that is the remedy.
+void set_conv_weight_grads(fm::PolicyResult& r, const Config& c, const std::string& dtype,
+                           bool full_precision) {
+  r.remedy = !full_precision && fp32_conv_weight_grads(c, dtype);
+  r.conv_weight_grads = full_precision || r.remedy ? "fp32" : dtype;
+}
+// Why the fp16 runs compute their convolutions' weight gradients as they do, for the table.
+std::string conv_weight_grad_reason(const Config& c) {
+  if (c.conv_weight_grad != "auto") return "--conv-weight-grad " + c.conv_weight_grad;
+  if (c.device != "cpu") return "fp16 on " + c.device;
+  const auto& cpu = mixprec::cpu_capabilities();
+  std::ostringstream why;
+  why << "fp16 ones are " << (cpu.fp16_conv_weight_grad_slow ? "slow" : "fast") << " here";
+  switch (cpu.fp16_conv_weight_grad_basis) {
+    case mixprec::Fp16ConvBasis::flags:
+      why << " (" << (cpu.avx512_fp16 ? "AMX-FP16" : "no AVX512-FP16: ATen's kernels") << ")";
+      break;
+    case mixprec::Fp16ConvBasis::flags_and_timing:
+      why << " (oneDNN's reference loop: AVX512-FP16 without AMX-FP16, timed at "
+          << fixed(cpu.fp16_conv_weight_grad_ratio, 0) << "x fp32)";
+      break;
+    case mixprec::Fp16ConvBasis::timing:
+      why << " (timed at " << fixed(cpu.fp16_conv_weight_grad_ratio, 1) << "x fp32)";
+      break;
+    case mixprec::Fp16ConvBasis::environment:
+      why << " (" << mixprec::fp16_conv_weight_grad_env << "="
+          << mixprec::fp16_conv_weight_grad_setting(cpu) << ")";
+      break;
+  }
+  return why.str();
 }
 // auto: channels_last for fp32 and bf16 on the CPU; fp16 convolutions ran slower in it on the
 // EPYC these demos are measured on (docs/guide.md, "fp16 on a CPU").
 bool channels_last(const Config& c, const std::string& dtype) {
   if (c.channels_last != "auto") return c.channels_last == "on";
   return c.device == "cpu" && dtype != "fp16";
-}
-std::string variant_of(const Config& c, const std::string& dtype, bool full_precision) {
-  std::string v;
-  if (!full_precision && fp32_conv_weight_grads(c, dtype)) v = "fp32 conv weight grads";
-  return v;
 }
 
 // ---------------------------------------------------------------- data
@@ -177,7 +205,7 @@ fm::PolicyResult run_policy(const Config& c, const std::string& dtype, const Dat
   const bool full_precision = std::is_same_v<Policy, mixprec::FullPrecision>;
   fm::PolicyResult result;
   result.policy = name;
-  result.variant = variant_of(c, dtype, full_precision);
+  set_conv_weight_grads(result, c, dtype, full_precision);
   result.images = data.train_x.size(0);
 
   torch::manual_seed(c.seed);
@@ -185,7 +213,7 @@ fm::PolicyResult run_policy(const Config& c, const std::string& dtype, const Dat
   model->to(device);
   const bool nhwc = channels_last(c, dtype);
   if (nhwc) to_channels_last(*model);
-  if (!full_precision && fp32_conv_weight_grads(c, dtype)) mixprec::nn::fp32_conv_weight_grads(*model);
+  if (result.remedy) mixprec::nn::fp32_conv_weight_grads(*model);
   torch::optim::SGD optimizer(model->parameters(), torch::optim::SGDOptions(c.lr).momentum(0.9));
 
   mixprec::TrainerOptions options;
@@ -316,7 +344,8 @@ std::vector<std::string> child_args(const Config& c, const std::string& policy,
           "--result-file", result_file};
 }
 
-/// Runs this program again as a child that trains `policy`; returns its result.
+/// Runs this program again as a child that trains `policy`, with this process's decision on
+/// fp16 convolution weight gradients; returns its result, checked to have applied it.
 fm::PolicyResult run_in_child(const Config& c, const std::string& policy, const std::string& dtype,
                               std::int64_t train_size) {
   std::string file_name =
@@ -328,24 +357,19 @@ fm::PolicyResult run_in_child(const Config& c, const std::string& policy, const 
     std::string path;
     ~Remove() { std::remove(path.c_str()); }
   } remove_file{file_name};
-  auto args = child_args(c, policy, dtype, train_size, file_name);
-  std::vector<char*> argv;
-  for (auto& arg : args) argv.push_back(arg.data());
-  argv.push_back(nullptr);
-  pid_t pid = 0;
-  if (const int error = ::posix_spawn(&pid, "/proc/self/exe", nullptr, nullptr, argv.data(), environ);
-      error != 0) {
-    throw std::runtime_error("cannot start a child process: " + std::string(std::strerror(error)));
-  }
-  int status = 0;
-  while (::waitpid(pid, &status, 0) < 0) {
-    if (errno != EINTR) throw std::runtime_error("waitpid failed: " + std::string(std::strerror(errno)));
-  }
-  if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
-    throw std::runtime_error(policy + ": the child process failed (status " + std::to_string(status) + ")");
-  }
+  const auto decision = mixprec::fp16_conv_weight_grad_setting(mixprec::cpu_capabilities());
+  fm::run_self(child_args(c, policy, dtype, train_size, file_name),
+               fm::environment_with(environ, mixprec::fp16_conv_weight_grad_env, decision), policy);
   std::ifstream in(file_name);
-  return fm::read_result(in);
+  auto result = fm::read_result(in);
+  fm::PolicyResult expected;
+  set_conv_weight_grads(expected, c, dtype, policy == "FullPrecision");
+  if (result.remedy != expected.remedy || result.conv_weight_grads != expected.conv_weight_grads) {
+    throw std::runtime_error(fm::label(result) + " computed its convolution weight gradients in " +
+                             fm::conv_weight_grads_cell(result) + ", the parent decided " +
+                             fm::conv_weight_grads_cell(expected));
+  }
+  return result;
 }
 
 int run_child(const Config& c) {
@@ -413,6 +437,11 @@ int run_parent(const Config& c) {
   if (c.device == "cuda" && !torch::cuda::is_available()) {
     throw std::runtime_error("--device cuda: this LibTorch has no CUDA device available");
   }
+  if (c.device == "cpu" && c.dtype != "bf16" && !mixprec::cpu_half_math) {
+    std::cout << "not run: --dtype " << c.dtype << " needs fp16 math on the CPU, which LibTorch "
+              << mixprec::torch_version << " lacks (--dtype bf16 runs)\n";
+    return 77;
+  }
   const auto start = std::chrono::steady_clock::now();
   std::cerr << "CPU: " << mixprec::cpu_capabilities() << "\n";
   std::vector<Group> groups;
@@ -447,8 +476,13 @@ int run_parent(const Config& c) {
   std::vector<std::pair<std::string, fm::PolicyResult>> runs;
   for (const auto& group : groups) {
     std::cout << "\nLow precision " << group.dtype << ", " << group.images << " training images ("
-              << group.why << ")" << (channels_last(c, group.dtype) ? ", channels_last" : "")
-              << ":\n\n" << fm::format_table(group.results);
+              << group.why << ")" << (channels_last(c, group.dtype) ? ", channels_last" : "");
+    if (group.dtype == "fp16") {
+      std::cout << "; convolution weight gradients in "
+                << (fp32_conv_weight_grads(c, "fp16") ? "fp32 (the remedy)" : "fp16")
+                << ", decided once for every run: " << conv_weight_grad_reason(c);
+    }
+    std::cout << ":\n\n" << fm::format_table(group.results);
     for (const auto& r : group.results) runs.emplace_back(group.dtype, r);
   }
   std::cout << "\n"
@@ -518,7 +552,9 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"bf16", "fp16", "both"}))->capture_default_str();
   app.add_option("--conv-weight-grad", c.conv_weight_grad,
                  "fp16 runs: auto (fp32 where mixprec::cpu_capabilities() finds LibTorch's fp16 "
-                 "weight gradients slow), fp16 or fp32")
+                 "weight gradients slow: decided once, from the CPU flags, in this process, and "
+                 "handed to every child process in MIXPREC_FP16_CONV_WEIGHT_GRAD; set beforehand "
+                 "to slow or fast, that variable decides instead), fp16 or fp32")
       ->check(CLI::IsMember({"auto", "fp16", "fp32"}))->capture_default_str();
   app.add_option("--channels-last", c.channels_last,
                  "auto (fp32 and bf16 runs on the CPU), on or off")

@@ -23,7 +23,8 @@ namespace fashion_mnist {
 /// The outcome of training one policy.
 struct PolicyResult {
   std::string policy;              // the policy's name, e.g. "MixedO2<BFloat16>"
-  std::string variant;             // "" or how the run differs, e.g. "fp32 conv weight grads"
+  std::string conv_weight_grads;   // dtype of the convolutions' weight gradients: fp32, bf16, fp16
+  bool remedy = false;             // fp16 convolutions whose weight gradients are fp32's
   std::int64_t images = 0;         // training images
   double test_accuracy = 0;        // fraction in [0, 1]
   double seconds_per_epoch = 0;    // training only (no evaluation), mean over the epochs
@@ -36,18 +37,24 @@ struct PolicyResult {
   std::vector<double> scales;      // loss scale after each iteration
 };
 
-inline constexpr const char* kResultHeader = "mixprec-fashion-mnist-result 2";
+inline constexpr const char* kResultHeader = "mixprec-fashion-mnist-result 3";
 
-/// The row label: the policy, and the variant in parentheses.
+/// The run's name in the log and the CSV: the policy, and the remedy where it was applied.
 inline std::string label(const PolicyResult& r) {
-  return r.variant.empty() ? r.policy : r.policy + " (" + r.variant + ")";
+  return r.remedy ? r.policy + " (fp32 conv weight grads)" : r.policy;
+}
+
+/// The table's "conv weight grads" cell: their dtype, and whether that is the remedy.
+inline std::string conv_weight_grads_cell(const PolicyResult& r) {
+  return r.remedy ? r.conv_weight_grads + " (remedy)" : r.conv_weight_grads;
 }
 
 /// Writes `result` in the line format read_result reads ("key value", vectors with a count).
 inline void write_result(std::ostream& out, const PolicyResult& result) {
   out << kResultHeader << '\n' << std::setprecision(17);
   out << "policy " << result.policy << '\n';
-  out << "variant " << result.variant << '\n';
+  out << "conv_weight_grads " << result.conv_weight_grads << '\n';
+  out << "remedy " << result.remedy << '\n';
   out << "images " << result.images << '\n';
   out << "test_accuracy " << result.test_accuracy << '\n';
   out << "seconds_per_epoch " << result.seconds_per_epoch << '\n';
@@ -81,9 +88,10 @@ inline PolicyResult read_result(std::istream& in) {
     bool ok = true;
     if (key == "policy") {
       ok = static_cast<bool>(in >> result.policy);
-    } else if (key == "variant") {  // the rest of the line, possibly empty
-      std::getline(in, result.variant);
-      if (!result.variant.empty() && result.variant.front() == ' ') result.variant.erase(0, 1);
+    } else if (key == "conv_weight_grads") {
+      ok = static_cast<bool>(in >> result.conv_weight_grads);
+    } else if (key == "remedy") {
+      ok = static_cast<bool>(in >> result.remedy);
     } else if (key == "images") {
       ok = static_cast<bool>(in >> result.images);
     } else if (key == "test_accuracy") {
@@ -160,9 +168,9 @@ inline bool reset_peak_rss() {
 /// The comparison table (Markdown), the first row as the baseline of the relative columns.
 inline std::string format_table(const std::vector<PolicyResult>& results) {
   std::string out =
-      "| policy | images | test accuracy | vs first | s/epoch | speed vs first | peak RSS MiB | "
-      "training peak +MiB | steps | skipped | final scale |\n"
-      "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n";
+      "| policy | conv weight grads | images | test accuracy | vs first | s/epoch | speed vs first "
+      "| peak RSS MiB | training peak +MiB | steps | skipped | final scale |\n"
+      "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n";
   if (results.empty()) {
     return out;
   }
@@ -178,8 +186,10 @@ inline std::string format_table(const std::vector<PolicyResult>& results) {
       training = text;
     }
     std::snprintf(row, sizeof row,
-                  "| %s | %lld | %.2f%% | %+.2f pp | %.2f | %.2fx | %.1f | %s | %lld | %lld | %g |\n",
-                  label(r).c_str(), static_cast<long long>(r.images), 100.0 * r.test_accuracy,
+                  "| %s | %s | %lld | %.2f%% | %+.2f pp | %.2f | %.2fx | %.1f | %s | %lld | %lld | "
+                  "%g |\n",
+                  r.policy.c_str(), conv_weight_grads_cell(r).c_str(),
+                  static_cast<long long>(r.images), 100.0 * r.test_accuracy,
                   delta, r.seconds_per_epoch, speed,
                   r.peak_rss_mib, training.c_str(), static_cast<long long>(r.steps),
                   static_cast<long long>(r.skipped_steps), r.final_scale);

@@ -1,5 +1,7 @@
-// The demo's own pieces (report.hpp): result files between the processes, the table, the CSV
-// plot.py reads, the fp16 group's size from a time budget, and /proc's peak memory.
+// The demo's own pieces (report.hpp, child.hpp): result files between the processes, the table
+// with each run's convolution weight gradients, the CSV plot.py reads, the fp16 group's size from
+// a time budget, /proc's peak memory, and the environment a child inherits.
+#include "child.hpp"
 #include "report.hpp"
 
 #include <doctest/doctest.h>
@@ -8,6 +10,7 @@
 #include <limits>
 #include <sstream>
 #include <string>
+#include <vector>
 
 namespace fm = fashion_mnist;
 
@@ -20,7 +23,8 @@ bool contains(const std::string& text, const std::string& part) {
 fm::PolicyResult sample() {
   fm::PolicyResult r;
   r.policy = "MixedO2<Half>";
-  r.variant = "fp32 conv weight grads";
+  r.conv_weight_grads = "fp32";
+  r.remedy = true;
   r.images = 12000;
   r.test_accuracy = 0.8765;
   r.seconds_per_epoch = 12.25;
@@ -42,7 +46,8 @@ TEST_CASE("demo: result files round-trip, broken ones are refused") {
   fm::write_result(file, r);
   const fm::PolicyResult back = fm::read_result(file);
   CHECK(back.policy == r.policy);
-  CHECK(back.variant == r.variant);
+  CHECK(back.conv_weight_grads == "fp32");
+  CHECK(back.remedy);
   CHECK(back.images == 12000);
   CHECK(back.test_accuracy == r.test_accuracy);
   CHECK(back.seconds_per_epoch == r.seconds_per_epoch);
@@ -58,10 +63,13 @@ TEST_CASE("demo: result files round-trip, broken ones are refused") {
   CHECK(back.scales == r.scales);
 
   auto plain = r;
-  plain.variant.clear();
+  plain.conv_weight_grads = "fp16";
+  plain.remedy = false;
   std::stringstream plain_file;
   fm::write_result(plain_file, plain);
-  CHECK(fm::read_result(plain_file).variant.empty());
+  const auto plain_back = fm::read_result(plain_file);
+  CHECK(plain_back.conv_weight_grads == "fp16");
+  CHECK_FALSE(plain_back.remedy);
 
   std::istringstream empty("");
   CHECK_THROWS_WITH_AS(fm::read_result(empty), doctest::Contains("not a result file"),
@@ -75,9 +83,10 @@ TEST_CASE("demo: result files round-trip, broken ones are refused") {
                        std::runtime_error);
 }
 
-TEST_CASE("demo: the table, relative to its first row") {
+TEST_CASE("demo: the table, relative to its first row, says each run's conv weight gradients") {
   fm::PolicyResult a;
   a.policy = "FullPrecision";
+  a.conv_weight_grads = "fp32";
   a.images = 60000;
   a.test_accuracy = 0.9;
   a.seconds_per_epoch = 10;
@@ -88,10 +97,23 @@ TEST_CASE("demo: the table, relative to its first row") {
   b.test_accuracy = 0.8975;
   b.seconds_per_epoch = 5;
   b.training_peak_mib = -1;
-  const std::string table = fm::format_table({a, b, sample()});
-  CHECK(contains(table, "| FullPrecision | 60000 | 90.00% | +0.00 pp | 10.00 | 1.00x | 400.0 | 20.0 |"));
-  CHECK(contains(table, "| MixedO1<BFloat16> | 60000 | 89.75% | -0.25 pp | 5.00 | 2.00x | 400.0 | n/a |"));
-  CHECK(contains(table, "| MixedO2<Half> (fp32 conv weight grads) | 12000 | 87.65% | -2.35 pp |"));
+  b.conv_weight_grads = "bf16";
+  // The run: a Half policy without the remedy, on the same footing as those with it.
+  fm::PolicyResult without = sample();
+  without.policy = "PureHalf<Half>";
+  without.conv_weight_grads = "fp16";
+  without.remedy = false;
+  const std::string table = fm::format_table({a, b, sample(), without});
+  CHECK(contains(table, "| policy | conv weight grads | images |"));
+  CHECK(contains(table, "| FullPrecision | fp32 | 60000 | 90.00% | +0.00 pp | 10.00 | 1.00x | "
+                        "400.0 | 20.0 |"));
+  CHECK(contains(table, "| MixedO1<BFloat16> | bf16 | 60000 | 89.75% | -0.25 pp | 5.00 | 2.00x | "
+                        "400.0 | n/a |"));
+  CHECK(contains(table, "| MixedO2<Half> | fp32 (remedy) | 12000 | 87.65% | -2.35 pp |"));
+  CHECK(contains(table, "| PureHalf<Half> | fp16 | 12000 | 87.65% | -2.35 pp |"));
+  // The log and the CSV name a run with the remedy so.
+  CHECK(fm::label(sample()) == "MixedO2<Half> (fp32 conv weight grads)");
+  CHECK(fm::label(without) == "PureHalf<Half>");
 }
 
 TEST_CASE("demo: the CSV has a row per step of each run, labelled, with nan kept") {
@@ -130,4 +152,19 @@ TEST_CASE("demo: /proc status parsing") {
   // Linux has /proc: this process's peak is a positive size (failure is -1).
   CHECK(fm::self_status_mib("VmHWM:") > 0);
   CHECK(fm::self_status_mib("NoSuchKey:") == -1);
+}
+
+TEST_CASE("demo: a child inherits the environment with the parent's decision, set once") {
+  std::string a = "PATH=/usr/bin", b = "MIXPREC_FP16_CONV_WEIGHT_GRAD=fast",
+              d = "MIXPREC_FP16_CONV_WEIGHT_GRAD_X=1", e = "HOME=/root";
+  char* parent[] = {a.data(), b.data(), d.data(), e.data(), nullptr};
+  // Replaced where the parent had it (a user's value the parent itself decided from), the rest
+  // kept in order; a name that merely begins the same is another variable.
+  CHECK(fm::environment_with(parent, "MIXPREC_FP16_CONV_WEIGHT_GRAD", "slow:250") ==
+        std::vector<std::string>{"PATH=/usr/bin", "MIXPREC_FP16_CONV_WEIGHT_GRAD_X=1",
+                                 "HOME=/root", "MIXPREC_FP16_CONV_WEIGHT_GRAD=slow:250"});
+  char* none[] = {a.data(), nullptr};
+  CHECK(fm::environment_with(none, "MIXPREC_FP16_CONV_WEIGHT_GRAD", "fast") ==
+        std::vector<std::string>{"PATH=/usr/bin", "MIXPREC_FP16_CONV_WEIGHT_GRAD=fast"});
+  CHECK(fm::environment_with(nullptr, "X", "1") == std::vector<std::string>{"X=1"});
 }

@@ -721,7 +721,7 @@ Advice advise(torch::nn::Module& model, LossFn&& loss_fn, const AdviseOptions& o
     advice.reasons.push_back(
         "fp16 on this CPU (" + cpu.model + ": AVX512-FP16 without AMX-FP16): LibTorch computes "
         "the weight gradients of fp16 convolutions (" + names + ") with oneDNN's reference loop, " +
-        detail::short_number(cpu.fp16_conv_weight_grad_ratio) + "x fp32's time; under a Half "
+        detail::fp16_conv_cost(cpu) + "; under a Half "
         "policy declare them mixprec::nn::Conv2d and call mixprec::nn::fp32_conv_weight_grads");
   }
   return advice;

@@ -195,11 +195,10 @@ void warn_slow_fp16_convolutions(const torch::nn::Module& model, const TrainerOp
       }
       message << (convolutions.size() > 4 ? ", ..." : "") << ") in fp16 on " << cpu.model
               << ", which has AVX512-FP16 but no AMX-FP16: LibTorch computes their weight "
-              << "gradients with oneDNN's reference loop, measured here at "
-              << cpu.fp16_conv_weight_grad_ratio << "x fp32's time (a whole CNN step: about "
-              << "37x). Remedy: declare them mixprec::nn::Conv2d and call "
-              << "mixprec::nn::fp32_conv_weight_grads(*model) (weight gradients in fp32, about "
-              << "fp32's step time), or train in bf16 (" << P::name.substr(0, P::name.find('<'))
+              << "gradients with oneDNN's reference loop, " << fp16_conv_cost(cpu)
+              << " (a whole CNN step: about 37x). Remedy: declare them mixprec::nn::Conv2d and "
+              << "call mixprec::nn::fp32_conv_weight_grads(*model) (weight gradients in fp32, "
+              << "about fp32's step time), or train in bf16 (" << P::name.substr(0, P::name.find('<'))
               << "<at::BFloat16>), which this CPU computes fast";
       if (options.on_warning()) {
         options.on_warning()(message.str());
