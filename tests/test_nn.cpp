@@ -299,7 +299,7 @@ at::Tensor check_inputs(Ours ours, Plain plain, const Inputs& in, const at::Tens
                   const at::Tensor& probe, Worst& worst) {
   constexpr auto low = P::low_dtype;
   const double tolerance = tolerance_of(low);
-  if constexpr (P::cast_model) mp::detail::cast_model(*ours, low, P::keep_batch_norm_fp32);
+  if constexpr (P::cast_model) mp::detail::cast_model(*ours, low, P::keep_batch_norm_fp32, P::name);
   // What P computes with: its dtype's rounding (autocast's cast under MixedO1).
   const auto rounded = [](const at::Tensor& t) { return t.detach().to(low).to(at::kFloat); };
   plain->weight.set_data(rounded(ours->weight));
