@@ -14,7 +14,7 @@
 
 #include <harness.hpp>
 
-#include <mixprec/scaler.hpp>
+#include <mixprec/scaling/scalers.hpp>
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>

@@ -7,7 +7,7 @@
 #include "models.hpp"
 
 #include <mixprec/mixprec.hpp>
-#include <mixprec/process_group.hpp>
+#include <mixprec/distributed/process_group.hpp>
 
 #include <torch/csrc/distributed/c10d/FileStore.hpp>
 #include <torch/torch.h>

@@ -11,8 +11,8 @@
 
 #include <harness.hpp>
 
-#include <mixprec/fp8.hpp>
-#include <mixprec/trainer.hpp>
+#include <mixprec/fp8/linear.hpp>
+#include <mixprec/trainer/trainer.hpp>
 
 #include <ATen/ATen.h>
 #include <ATen/Context.h>

@@ -7,7 +7,7 @@
 #include <cstdio>
 #include <harness.hpp>
 #include <limits>
-#include <mixprec/ops.hpp>
+#include <mixprec/ops/masked_ops.hpp>
 #include <string>
 #include <vector>
 

@@ -12,8 +12,8 @@
 
 #include <harness.hpp>
 
-#include <mixprec/compat.hpp>
-#include <mixprec/scaler.hpp>
+#include <mixprec/core/compat.hpp>
+#include <mixprec/scaling/scalers.hpp>
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>

@@ -7,7 +7,7 @@
 // regression task; the Trainer averages the gradients across ranks. At the end every rank
 // checks that its weights equal rank 0's, bit for bit, and rank 0 writes a checkpoint.
 #include <mixprec/mixprec.hpp>
-#include <mixprec/process_group.hpp>
+#include <mixprec/distributed/process_group.hpp>
 
 #include <torch/torch.h>
 

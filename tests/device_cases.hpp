@@ -1,6 +1,6 @@
 #pragma once
 // Half-precision training cases that hold on any device with fp16 math: CUDA (tests/test_cuda.cpp)
-// and, from LibTorch 2.4 on, the CPU (tests/test_half.cpp). Real fp16 forward and backward passes,
+// and, from LibTorch 2.4 on, the CPU (tests/scaling/test_half.cpp). Real fp16 forward and backward passes,
 // no synthetic gradients.
 #include <mixprec/mixprec.hpp>
 

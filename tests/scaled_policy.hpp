@@ -1,8 +1,8 @@
 #pragma once
 // A custom policy shared by the catalogue, the reliability programs and the fuzz targets.
 
-#include <mixprec/policy.hpp>
-#include <mixprec/scaler.hpp>
+#include <mixprec/core/policy.hpp>
+#include <mixprec/scaling/scalers.hpp>
 
 #include <string_view>
 

@@ -1,7 +1,7 @@
 #pragma once
 // Helpers shared by the test files.
 
-#include <mixprec/fp8.hpp>
+#include <mixprec/fp8/linear.hpp>
 
 #include <c10/util/Flags.h>
 #include <torch/torch.h>

@@ -1,9 +1,9 @@
 // CUDA: Half policies end to end, the fused ATen kernels against the CPU path, real overflows.
-// The device-independent cases live in device_cases.hpp; tests/test_half.cpp runs them on the CPU.
+// The device-independent cases live in device_cases.hpp; tests/scaling/test_half.cpp runs them on the CPU.
 // Built as mixprec_cuda_tests; ctest's cuda_tests runs it with --require-cuda, which reports
 // "not run" without a GPU. scripts/gpu-check runs it on a GPU machine.
 #include <mixprec/mixprec.hpp>
-#include <mixprec/process_group.hpp>
+#include <mixprec/distributed/process_group.hpp>
 
 #include "device_cases.hpp"
 #include "support.hpp"

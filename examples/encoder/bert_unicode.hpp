@@ -15,7 +15,7 @@
 #include <unicode/unistr.h>
 #include <unicode/locid.h>
 
-#include <mixprec/error.hpp>
+#include <mixprec/core/error.hpp>
 
 #include <cstdint>
 

@@ -6,7 +6,7 @@
 // them is dropped, every other occurs once; the split is by a hash of the text, so it is the
 // same on every machine with the same list, whatever order the list is read in.
 
-#include <mixprec/error.hpp>
+#include <mixprec/core/error.hpp>
 
 #include <algorithm>
 #include <cstdint>

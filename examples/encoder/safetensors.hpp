@@ -8,7 +8,7 @@
 // truncated, hostile or foreign file is a mixprec::Error that says what is wrong, never a read out
 // of bounds.
 
-#include <mixprec/error.hpp>
+#include <mixprec/core/error.hpp>
 
 #include <ATen/ATen.h>
 #include <nlohmann/json.hpp>

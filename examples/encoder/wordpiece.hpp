@@ -8,7 +8,7 @@
 
 #include "bert_unicode.hpp"
 
-#include <mixprec/error.hpp>
+#include <mixprec/core/error.hpp>
 
 #include <unicode/unistr.h>
 

@@ -1,8 +1,8 @@
 #pragma once
 // The demo's CNN, shared with benchmarks/bench_vs_python.cpp so both train the same model.
 
-#include <mixprec/fp8.hpp>
-#include <mixprec/nn.hpp>
+#include <mixprec/fp8/linear.hpp>
+#include <mixprec/nn/conv.hpp>
 
 #include <torch/torch.h>
 

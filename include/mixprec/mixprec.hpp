@@ -1,20 +1,14 @@
 #pragma once
-/// mixprec: mixed-precision training for LibTorch. Include this header for everything.
+/// mixprec: mixed-precision training for LibTorch. Include this header for everything; each
+/// subsystem also has a header of its own beside its folder (docs/architecture.md).
 
-#include <mixprec/advise.hpp>
-#include <mixprec/autocast.hpp>
-#include <mixprec/capabilities.hpp>
-#include <mixprec/compat.hpp>
-#include <mixprec/concepts.hpp>
-#include <mixprec/diagnostics.hpp>
-#include <mixprec/distributed.hpp>
-#include <mixprec/error.hpp>
-#include <mixprec/fp8.hpp>
-#include <mixprec/master_weights.hpp>
-#include <mixprec/nn.hpp>
+#include <mixprec/core.hpp>
 #include <mixprec/ops.hpp>
-#include <mixprec/policy.hpp>
-#include <mixprec/precision_map.hpp>
-#include <mixprec/scaler.hpp>
+#include <mixprec/scaling.hpp>
+#include <mixprec/optim.hpp>
+#include <mixprec/nn.hpp>
+#include <mixprec/precision.hpp>
+#include <mixprec/fp8.hpp>
+#include <mixprec/distributed.hpp>
+#include <mixprec/diagnostics.hpp>
 #include <mixprec/trainer.hpp>
-#include <mixprec/version.hpp>

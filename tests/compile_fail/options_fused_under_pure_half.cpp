@@ -2,7 +2,7 @@
 // divide by the loss scale in that dtype: with the policy's own Options, fused_optimizer is a
 // compile error (with TrainerOptions, an Error at construction).
 // expect: takes_fused_optimizer
-#include <mixprec/trainer.hpp>
+#include <mixprec/trainer/trainer.hpp>
 
 #ifdef MIXPREC_COMPILE_FAIL
 using Policy = mixprec::PureHalf<at::BFloat16>;

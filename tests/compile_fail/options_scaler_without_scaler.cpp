@@ -1,7 +1,7 @@
 // A policy that scales nothing (FullPrecision: NoScaler) has no scaler options to set: with the
 // policy's own Options it is a compile error (with TrainerOptions, an Error at construction).
 // expect: takes_scaler_options
-#include <mixprec/trainer.hpp>
+#include <mixprec/trainer/trainer.hpp>
 
 #ifdef MIXPREC_COMPILE_FAIL
 using Policy = mixprec::FullPrecision;

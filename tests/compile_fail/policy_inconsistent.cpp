@@ -1,7 +1,7 @@
 // fp32 master weights only make sense when the model itself is cast.
 // expect: master_weights requires cast_model
-#include <mixprec/autocast.hpp>
-#include <mixprec/policy.hpp>
+#include <mixprec/core/autocast.hpp>
+#include <mixprec/core/policy.hpp>
 
 struct MastersWithoutCast : mixprec::MixedO1<at::BFloat16> {
 #ifdef MIXPREC_COMPILE_FAIL

@@ -1,7 +1,7 @@
 // A custom policy that forgets scaler_type is told so by name.
 // expect: a precision policy needs `using scaler_type
-#include <mixprec/autocast.hpp>
-#include <mixprec/policy.hpp>
+#include <mixprec/core/autocast.hpp>
+#include <mixprec/core/policy.hpp>
 
 struct MyPolicy {
   static constexpr std::string_view name = "MyPolicy";

@@ -1,7 +1,7 @@
 // A loss_fn that returns a number (or nothing) instead of the loss tensor is refused in one line
 // that names the contract, not in pages of errors from inside Trainer::step.
 // expect: loss_fn must take no arguments and return the loss as a tensor
-#include <mixprec/trainer.hpp>
+#include <mixprec/trainer/trainer.hpp>
 
 static_assert(mixprec::detail::returns_loss<decltype([] { return at::Tensor(); })>);
 static_assert(!mixprec::detail::returns_loss<decltype([] {})>);

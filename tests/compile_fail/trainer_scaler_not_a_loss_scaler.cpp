@@ -1,6 +1,6 @@
 // A custom policy whose scaler_type lacks the scaler interface is refused by the Trainer by name.
 // expect: the policy's scaler_type must satisfy mixprec::LossScaler
-#include <mixprec/trainer.hpp>
+#include <mixprec/trainer/trainer.hpp>
 
 // Has scale() and step(), PyTorch's loop API, but none of the calls a Trainer makes.
 struct HalfAScaler {

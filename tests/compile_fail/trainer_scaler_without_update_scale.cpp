@@ -1,7 +1,7 @@
 // A user-written scaler with everything but update_scale(found_inf), the call a Trainer makes
 // after each step or skip, is refused by name.
 // expect: the policy's scaler_type must satisfy mixprec::LossScaler
-#include <mixprec/trainer.hpp>
+#include <mixprec/trainer/trainer.hpp>
 
 struct AlmostAScaler {
   double get_scale() const { return 1024.0; }

@@ -2,7 +2,7 @@
 // rank through mixprec::distributed (its definitions and include paths, as installed). Exits 0
 // when both behave.
 #include <mixprec/mixprec.hpp>
-#include <mixprec/process_group.hpp>
+#include <mixprec/distributed/process_group.hpp>
 
 #include <ATen/ATen.h>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>

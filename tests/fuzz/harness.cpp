@@ -8,7 +8,7 @@
 #include "../scaled_policy.hpp"
 #include "../../examples/encoder/safetensors.hpp"
 
-#include <mixprec/detail/checkpoint_file.hpp>
+#include <mixprec/io/checkpoint_file.hpp>
 #include <mixprec/mixprec.hpp>
 
 #include <ATen/CPUGeneratorImpl.h>

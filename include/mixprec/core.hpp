@@ -1,0 +1,14 @@
+#pragma once
+/// The policy core: the precision policies (policy.hpp, with the table of when to use each) and
+/// their concepts, mixprec::Error, the LibTorch version switches, the autocast guard, what this
+/// CPU computes fast, and the "each tensor once" helpers every subsystem shares.
+
+#include <mixprec/core/error.hpp>
+#include <mixprec/core/compat.hpp>
+#include <mixprec/core/version.hpp>
+#include <mixprec/core/concepts.hpp>
+#include <mixprec/core/policy.hpp>
+#include <mixprec/core/autocast.hpp>
+#include <mixprec/core/capabilities.hpp>
+#include <mixprec/core/tensor_set.hpp>
+#include <mixprec/core/rng_states.hpp>

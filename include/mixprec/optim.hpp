@@ -1,0 +1,7 @@
+#pragma once
+/// What the optimizer steps: fp32 master weights for low-precision models (Apex O2), the fused
+/// Adam/AdamW step that folds the unscale into ATen's kernel, and the optimizer-state slices of
+/// sharded data parallel.
+
+#include <mixprec/optim/master_weights.hpp>
+#include <mixprec/optim/fused_adam.hpp>

@@ -1,0 +1,319 @@
+#pragma once
+/// MasterWeights: fp32 copies of a model's low-precision parameters, which the optimizer updates
+/// instead of the model (Apex O2). Small updates that would vanish when added to a bf16/fp16
+/// weight accumulate in the fp32 master, and the model gets the rounded result after each step.
+
+#include <mixprec/core/compat.hpp>
+#include <mixprec/core/tensor_set.hpp>
+#include <mixprec/core/error.hpp>
+
+#include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
+#include <torch/optim/adagrad.h>
+#include <torch/optim/lbfgs.h>
+#include <torch/optim/optimizer.h>
+
+#include <cstddef>
+#include <memory>
+#include <type_traits>
+#include <unordered_map>
+#include <vector>
+
+namespace mixprec {
+
+namespace detail {
+
+/// Sets each tensor's gradient to none (PyTorch's zero_grad(set_to_none=True)).
+inline void clear_grads(const std::vector<at::Tensor>& tensors) {
+  for (const auto& t : tensors) t.mutable_grad().reset();
+}
+
+/// Drops the repeats of a tensor within each param group, so that the optimizer steps it once
+/// (a group built on model->parameters() lists tied weights once per name).
+inline void dedupe_param_groups(torch::optim::Optimizer& optimizer) {
+  for (auto& group : optimizer.param_groups()) {
+    auto& params = group.params();
+    if (unique_tensors(params).size() != params.size()) params = unique_tensors(params);
+  }
+}
+
+/// Whether the optimizer has taken a step. Most torch::optim optimizers create their state at
+/// their first step; Adagrad creates it in its constructor (step 0, `sum` filled with
+/// initial_accumulator_value), which is not a step.
+inline bool has_stepped(const torch::optim::Optimizer& optimizer) {
+  if (dynamic_cast<const torch::optim::Adagrad*>(&optimizer) == nullptr) {
+    return !optimizer.state().empty();
+  }
+  for (const auto& entry : optimizer.state()) {
+    const auto* state = dynamic_cast<const torch::optim::AdagradParamState*>(entry.second.get());
+    if (state == nullptr || state->step() > 0) return true;
+  }
+  return false;
+}
+
+/// Gives an optimizer whose state exists from construction (LibTorch's Adagrad) the state its
+/// constructor would have built for the tensors it holds now, after the Trainer replaced them
+/// (fp32 masters: `replaced(t)` is the model tensor a master replaced, else undefined), cast
+/// them, or found a param group added since. An entry is kept, or moved from the replaced
+/// tensor, with its `sum` converted to the tensor's dtype (exact before a first step: it holds
+/// initial_accumulator_value); where none exists it is made from the group's
+/// initial_accumulator_value (LibTorch's add_param_group makes none, and its step() would
+/// fail). Entries of tensors no longer held are dropped. Optimizers that create their state at
+/// their first step: nothing to do.
+template <class Replaced>
+void fit_construction_state(torch::optim::Optimizer& optimizer, Replaced&& replaced) {
+  if (dynamic_cast<const torch::optim::Adagrad*>(&optimizer) == nullptr) return;
+  auto& states = optimizer.state();
+  std::decay_t<decltype(states)> fitted;
+  for (const auto& group : optimizer.param_groups()) {
+    const auto& options = static_cast<const torch::optim::AdagradOptions&>(group.options());
+    for (const auto& p : group.params()) {
+      auto key = state_key<decltype(states)>(p);
+      if (fitted.count(key) == 1) continue;
+      auto it = states.find(key);
+      if (it == states.end()) {
+        const at::Tensor source = replaced(p);
+        if (source.defined()) it = states.find(state_key<decltype(states)>(source));
+      }
+      auto state = std::make_unique<torch::optim::AdagradParamState>();
+      state->step(0);
+      if (it != states.end()) {
+        const auto& old = static_cast<const torch::optim::AdagradParamState&>(*it->second);
+        state->step(old.step());
+        state->sum(old.sum().to(p.options(), /*non_blocking=*/false, /*copy=*/true));
+      } else {
+        state->sum(at::full_like(p.detach(), options.initial_accumulator_value(),
+                                 at::MemoryFormat::Preserve));
+      }
+      fitted.emplace(std::move(key), std::move(state));
+    }
+  }
+  states = std::move(fitted);
+}
+
+inline void fit_construction_state(torch::optim::Optimizer& optimizer) {
+  fit_construction_state(optimizer, [](const at::Tensor&) { return at::Tensor(); });
+}
+
+/// Refuses optimizers the Trainer cannot drive: LBFGS re-evaluates the loss through a closure
+/// inside its step(), several times per step.
+inline void check_supported_optimizer(const torch::optim::Optimizer& optimizer) {
+  MIXPREC_CHECK(dynamic_cast<const torch::optim::LBFGS*>(&optimizer) == nullptr,
+                "torch::optim::LBFGS is not supported by the Trainer: its step() re-evaluates "
+                "the loss through a closure several times (a line search on unscaled losses), "
+                "while Trainer::step runs loss_fn once per micro-batch. Train LBFGS in a "
+                "hand-written loop (under mixprec::autocast for mixed precision), or use SGD, "
+                "Adam, AdamW, Adagrad or RMSprop");
+}
+
+}  // namespace detail
+
+class MasterWeights {
+ public:
+  /// Masters for the (already cast) parameters the optimizer holds, from `fp32_values` (the
+  /// values of `model_params` before the cast, so the masters are exact); rebinds `optimizer`
+  /// from the model's tensors to them. Pairing is by tensor identity: any parameter-group order,
+  /// a subset of the model (frozen layers left out) and tied weights (one master, listed once
+  /// per group afterwards) all work. fp32 parameters (kept BatchNorm) are their own masters.
+  MasterWeights(const std::vector<at::Tensor>& model_params,
+                const std::vector<at::Tensor>& fp32_values, torch::optim::Optimizer& optimizer) {
+    check_rebindable(model_params, optimizer);
+    bind(model_params, fp32_values, optimizer);
+  }
+
+  /// Throws unless `optimizer` has no state and holds only tensors of `model_params`, each in
+  /// one param group.
+  static void check_rebindable(const std::vector<at::Tensor>& model_params,
+                               const torch::optim::Optimizer& optimizer) {
+    MIXPREC_CHECK(!detail::has_stepped(optimizer),
+                  "the optimizer already has state (it has stepped): build the Trainer before "
+                  "the first step, so its state is created for the fp32 master weights");
+    check_params_of(model_params, optimizer);
+  }
+
+  /// Throws unless every tensor `optimizer` holds is one of `model_params`, and none is in two
+  /// param groups (PyTorch refuses that too).
+  static void check_params_of(const std::vector<at::Tensor>& model_params,
+                              const torch::optim::Optimizer& optimizer) {
+    check_groups(model_params, optimizer, nullptr);
+  }
+
+  /// Throws unless every tensor `optimizer` holds is a master, or one of `model_params`: one
+  /// that has none yet (a param group added since), or one whose master the optimizer does not
+  /// hold (a new optimizer built on model->parameters(): bind() puts the master in its place,
+  /// which needs the optimizer to have no state for it); and none is in two param groups.
+  void check_bindable(const std::vector<at::Tensor>& model_params,
+                      const torch::optim::Optimizer& optimizer) const {
+    check_groups(model_params, optimizer, this);
+  }
+
+  /// The model tensors the optimizer holds that have no master yet, each once.
+  std::vector<at::Tensor> unbound(const torch::optim::Optimizer& optimizer) const {
+    std::vector<at::Tensor> result;
+    for (const auto& group : optimizer.param_groups()) {
+      for (const auto& p : group.params()) {
+        const void* id = p.unsafeGetTensorImpl();
+        if (pair_of_master_.count(id) == 0 && pair_of_model_.count(id) == 0) result.push_back(p);
+      }
+    }
+    return detail::unique_tensors(result);
+  }
+
+  /// Makes masters for the optimizer's tensors that have none, from their entries in
+  /// `model_params`/`fp32_values`, and rebinds the optimizer to them (a model tensor that has
+  /// a master already gets that one); the construction, a param group added later and a new
+  /// optimizer (after check_bindable) go through here.
+  void bind(const std::vector<at::Tensor>& model_params,
+            const std::vector<at::Tensor>& fp32_values, torch::optim::Optimizer& optimizer) {
+    MIXPREC_CHECK(fp32_values.size() == model_params.size(), "MasterWeights needs one fp32 "
+                  "value per parameter, got ", fp32_values.size(), " for ", model_params.size());
+    std::unordered_map<const void*, std::size_t> model_index;
+    for (std::size_t i = 0; i < model_params.size(); ++i) {
+      model_index.emplace(model_params[i].unsafeGetTensorImpl(), i);
+    }
+    detail::dedupe_param_groups(optimizer);
+    for (auto& group : optimizer.param_groups()) {
+      for (auto& p : group.params()) {
+        if (pair_of_master_.count(p.unsafeGetTensorImpl()) == 1) continue;
+        if (const auto it = pair_of_model_.find(p.unsafeGetTensorImpl());
+            it != pair_of_model_.end()) {
+          p = pairs_[it->second].master;
+          continue;
+        }
+        const auto i = model_index.at(p.unsafeGetTensorImpl());
+        const auto& model = model_params[i];
+        const auto master = model.scalar_type() == at::kFloat
+                                ? model
+                                : fp32_values[i].detach().to(at::kFloat).clone().requires_grad_(
+                                      model.requires_grad());
+        pair_of_master_.emplace(master.unsafeGetTensorImpl(), pairs_.size());
+        pair_of_model_.emplace(model.unsafeGetTensorImpl(), pairs_.size());
+        pairs_.push_back({model, master});
+        p = master;
+      }
+    }
+    sources_.clear();
+    for (const auto& group : optimizer.param_groups()) {
+      for (const auto& p : group.params()) {
+        sources_.push_back(pairs_[pair_of_master_.at(p.unsafeGetTensorImpl())].model);
+      }
+    }
+    detail::fit_construction_state(optimizer, [this](const at::Tensor& t) { return model_of(t); });
+  }
+
+  /// The model tensor a master replaced; undefined for any other tensor (an fp32 parameter, its
+  /// own master, included).
+  at::Tensor model_of(const at::Tensor& master) const {
+    const auto it = pair_of_master_.find(master.unsafeGetTensorImpl());
+    if (it == pair_of_master_.end()) return at::Tensor();
+    const auto& pair = pairs_[it->second];
+    return pair.model.is_same(pair.master) ? at::Tensor() : pair.model;
+  }
+
+  /// The fp32 tensors the optimizer updates, one per model tensor, in the order they were
+  /// bound (the optimizer's order; a late param group's at the end).
+  std::vector<at::Tensor> masters() const {
+    std::vector<at::Tensor> result;
+    for (const auto& pair : pairs_) result.push_back(pair.master);
+    return result;
+  }
+
+  /// The master of a model tensor (itself for an fp32 one); undefined if it has none.
+  at::Tensor master_of(const at::Tensor& model) const {
+    const auto it = pair_of_model_.find(model.unsafeGetTensorImpl());
+    return it == pair_of_model_.end() ? at::Tensor() : pairs_[it->second].master;
+  }
+
+  /// For each parameter the optimizer holds, in its order, the model tensor whose gradient
+  /// feeds it: the Trainer unscales from them (detail::UnscalePlan::grads_from).
+  const std::vector<at::Tensor>& grad_sources() const noexcept { return sources_; }
+
+  /// Adds the model's gradients into the masters' fp32 gradients and sets the model's to none,
+  /// so that gradients accumulated over micro-batches sum in fp32, not in the model's dtype (a
+  /// master whose tensor no micro-batch reached keeps no gradient).
+  void accumulate_grads() {
+    for (const auto& pair : pairs_) {  // all checked before any is changed
+      MIXPREC_CHECK(!pair.model.grad().defined() || !pair.model.grad().is_sparse(),
+                    kSparseMessage);
+    }
+    at::NoGradGuard no_grad;
+    for (auto& pair : pairs_) {
+      if (pair.master.is_same(pair.model) || !pair.model.grad().defined()) continue;
+      auto& master_grad = pair.master.mutable_grad();
+      if (!master_grad.defined()) master_grad = at::zeros_like(pair.master);
+      master_grad.add_(pair.model.grad());
+      pair.model.mutable_grad().reset();
+    }
+  }
+
+  /// Writes the masters, rounded, into the model's parameters.
+  void copy_to_model() {
+    at::NoGradGuard no_grad;
+    for (auto& pair : pairs_) {
+      if (!pair.master.is_same(pair.model)) pair.model.copy_(pair.master);
+    }
+  }
+
+ private:
+  static constexpr const char* kSparseMessage =
+      "fp32 master weights take dense gradients: a sparse gradient (an Embedding or "
+      "EmbeddingBag with sparse(true)) cannot be trained under MixedO2; use sparse(false)";
+
+  struct Pair {
+    at::Tensor model;
+    at::Tensor master;
+  };
+
+  static void check_groups(const std::vector<at::Tensor>& model_params,
+                           const torch::optim::Optimizer& optimizer, const MasterWeights* self) {
+    const auto model = detail::identities(model_params);
+    const auto held = detail::identities(detail::optimizer_tensors(optimizer));
+    std::unordered_map<const void*, std::size_t> group_of;
+    const auto& groups = optimizer.param_groups();
+    for (std::size_t g = 0; g < groups.size(); ++g) {
+      for (const auto& p : groups[g].params()) {
+        const void* id = p.unsafeGetTensorImpl();
+        if (self == nullptr || self->pair_of_master_.count(id) == 0) {
+          MIXPREC_CHECK(model.count(id) == 1, "the optimizer holds a tensor of shape ", p.sizes(),
+                        " that is not a parameter of the model: build it on model->parameters()");
+          const auto* master = self != nullptr ? self->master_of_model(id) : nullptr;
+          if (master != nullptr) {
+            MIXPREC_CHECK(held.count(master->unsafeGetTensorImpl()) == 0, "param group ", g,
+                          " holds a model tensor of shape ", p.sizes(), " that the optimizer "
+                          "already trains through its fp32 master: put each tensor in one group");
+            MIXPREC_CHECK(!has_state_for(optimizer, p), "the optimizer holds the model's ",
+                          p.scalar_type(), " tensor of shape ", p.sizes(), " and has state for "
+                          "it (it was stepped outside the Trainer): the Trainer steps the fp32 "
+                          "master weights. Build the new optimizer on model->parameters() and "
+                          "let the Trainer take it before any optimizer.step() of yours");
+          }
+        }
+        const auto [it, inserted] = group_of.try_emplace(id, g);
+        MIXPREC_CHECK(inserted || it->second == g, "a tensor of shape ", p.sizes(), " is in "
+                      "param groups ", it->second, " and ", g, " of the optimizer (PyTorch "
+                      "refuses this too): put each tensor in one group");
+      }
+    }
+  }
+
+  // The master of the model tensor `id`, or null where it has none.
+  const at::Tensor* master_of_model(const void* id) const {
+    const auto it = pair_of_model_.find(id);
+    return it == pair_of_model_.end() ? nullptr : &pairs_[it->second].master;
+  }
+
+  // Whether the optimizer has stepped state for `p` (LibTorch's Adagrad makes state at
+  // construction, which is not a step).
+  static bool has_state_for(const torch::optim::Optimizer& optimizer, const at::Tensor& p) {
+    const auto& states = optimizer.state();
+    return detail::has_stepped(optimizer) &&
+           states.count(detail::state_key<std::decay_t<decltype(states)>>(p)) == 1;
+  }
+
+  std::vector<Pair> pairs_;
+  std::unordered_map<const void*, std::size_t> pair_of_master_;  // master -> its index in pairs_
+  std::unordered_map<const void*, std::size_t> pair_of_model_;   // model tensor -> the same
+  std::vector<at::Tensor> sources_;
+};
+
+}  // namespace mixprec

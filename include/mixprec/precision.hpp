@@ -1,0 +1,7 @@
+#pragma once
+/// Precision per module: PrecisionMap (module-path rules), apply_precision_map, the Mappable
+/// wrapper that gives a module its region, Fp32Region for a block of code, and how a Trainer
+/// casts its model.
+
+#include <mixprec/precision/model_cast.hpp>
+#include <mixprec/precision/precision_map.hpp>

@@ -1,0 +1,106 @@
+#pragma once
+// What a checkpoint's policy is checked against: every setting of the policy that changes the
+// numbers (the low dtype, where the model is cast, masters, BatchNorm's dtype, the scaler type,
+// an fp8 recipe with its history and margin), written out from the type, not its display name.
+// Two types with the same settings load each other's checkpoints; two with the same name and
+// other settings (a custom policy that inherits its base's name; DelayedScaling<4> and
+// DelayedScaling<4, 3>, both "MixedFP8<DelayedScaling>") do not.
+
+#include <mixprec/core/error.hpp>
+#include <mixprec/core/policy.hpp>
+
+#include <c10/core/ScalarType.h>
+#include <c10/util/Type.h>
+
+#include <cstddef>
+#include <string>
+#include <string_view>
+#include <typeinfo>
+#include <utility>
+#include <vector>
+
+namespace mixprec::detail {
+
+/// A policy as checkpoints record it.
+struct PolicyIdentity {
+  std::string name;      // P::name: for messages, and all that checkpoints before `settings` held
+  std::string settings;  // "low=BFloat16;autocast=false;...": what loading compares
+};
+
+/// P's identity. Settings, in this order: low, autocast, cast_model, master_weights,
+/// keep_batch_norm_fp32, scaler (the type's name), fp8 (none, tensorwise or delayed), and for
+/// delayed scaling fp8_history and fp8_margin.
+template <class P>
+PolicyIdentity policy_identity() {
+  std::string settings;
+  const auto add = [&settings](std::string_view key, const std::string& value) {
+    settings += (settings.empty() ? "" : ";") + std::string(key) + "=" + value;
+  };
+  const auto flag = [](bool on) { return std::string(on ? "true" : "false"); };
+  add("low", c10::toString(P::low_dtype));
+  add("autocast", flag(P::autocast));
+  add("cast_model", flag(P::cast_model));
+  add("master_weights", flag(P::master_weights));
+  add("keep_batch_norm_fp32", flag(P::keep_batch_norm_fp32));
+  add("scaler", c10::demangle(typeid(typename P::scaler_type).name()));
+  if constexpr (fp8_policy<P>) {
+    using Recipe = typename P::recipe;
+    add("fp8", Recipe::delayed ? "delayed" : "tensorwise");
+    if constexpr (Recipe::delayed) {
+      add("fp8_history", std::to_string(Recipe::history));
+      add("fp8_margin", std::to_string(Recipe::margin));
+    }
+  } else {
+    add("fp8", "none");
+  }
+  return {std::string(P::name), std::move(settings)};
+}
+
+/// "key=value" pairs of a settings string.
+inline std::vector<std::pair<std::string, std::string>> parse_settings(std::string_view settings) {
+  std::vector<std::pair<std::string, std::string>> pairs;
+  while (!settings.empty()) {
+    const auto end = settings.find(';');
+    const auto item = settings.substr(0, end);
+    const auto equals = item.find('=');
+    pairs.emplace_back(std::string(item.substr(0, equals)),
+                       equals == std::string_view::npos ? "" : std::string(item.substr(equals + 1)));
+    settings = end == std::string_view::npos ? std::string_view() : settings.substr(end + 1);
+  }
+  return pairs;
+}
+
+/// An Error, naming both policies and each setting that differs, unless a checkpoint written by
+/// `saved_name` with `saved_settings` fits `own`.
+inline void check_policy_settings(const std::string& saved_name, const std::string& saved_settings,
+                                  const PolicyIdentity& own, const std::string& path) {
+  if (saved_settings == own.settings) return;
+  const auto saved = parse_settings(saved_settings);
+  const auto mine = parse_settings(own.settings);
+  const auto value_in = [](const auto& pairs, const std::string& key) {
+    for (const auto& [k, v] : pairs) {
+      if (k == key) return v;
+    }
+    return std::string("(none)");
+  };
+  std::vector<std::string> keys;  // every key of either, in order of appearance
+  for (const auto* pairs : {&saved, &mine}) {
+    for (const auto& [key, value] : *pairs) {
+      bool known = false;
+      for (const auto& k : keys) known = known || k == key;
+      if (!known) keys.push_back(key);
+    }
+  }
+  std::string differences;
+  for (const auto& key : keys) {
+    const auto a = value_in(saved, key), b = value_in(mine, key);
+    if (a == b) continue;
+    differences += (differences.empty() ? "" : ", ") + key + " " + a + " there, " + b + " here";
+  }
+  fail("checkpoint '", path, "' was written by Trainer<", saved_name, ">, this is Trainer<",
+       own.name, ">, and their settings that change the numbers differ: ", differences,
+       ". Load it with a policy of the same settings (a recipe's template arguments included); "
+       "nothing was changed");
+}
+
+}  // namespace mixprec::detail

@@ -1,0 +1,409 @@
+#pragma once
+// Which tensors a Trainer<P> trains: the model it claims, its parameters (each tensor once), the
+// optimizer's groups and the masters made for them (MixedO2), param groups added later, and the
+// gradients data parallel averages. One refresh for all of them, when the groups change.
+
+#include <mixprec/core/autocast.hpp>
+#include <mixprec/diagnostics/non_finite.hpp>
+#include <mixprec/core/error.hpp>
+#include <mixprec/optim/master_weights.hpp>
+#include <mixprec/precision/model_cast.hpp>
+#include <mixprec/distributed/step_group.hpp>
+#include <mixprec/core/tensor_set.hpp>
+#include <mixprec/trainer/setup.hpp>
+
+#include <ATen/ATen.h>
+#include <torch/nn/module.h>
+#include <torch/optim/optimizer.h>
+
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace mixprec::detail {
+
+template <class P>
+class TrainedTensors {
+ public:
+  /// Checks that `model` is an fp32 CPU or CUDA model that no live Trainer trains and that
+  /// `optimizer` holds its tensors (each in one group), and claims it; changes nothing else.
+  TrainedTensors(const torch::nn::Module& model, const torch::optim::Optimizer& optimizer) {
+    const auto named = model.named_parameters();
+    MIXPREC_CHECK(named.size() > 0, "the model has no parameters: nothing to train");
+    // Claimed before the dtype check: a model that a live O2/O3 Trainer has cast is that
+    // Trainer's, not a Low model of the user's.
+    const auto params = unique_tensors(model.parameters());
+    claim_ = ModelClaim::acquire(params, P::name);
+    for (const auto& item : named) {
+      const auto dtype = item.value().scalar_type();
+      if (at::isFloatingType(dtype) && dtype != at::kFloat) {
+        if (const auto cast_by = CastRecord::policy_of(item.value())) {
+          fail("parameter '", item.key(), "' is ", dtype, " because an earlier Trainer<",
+               *cast_by, "> cast this model (a Trainer casts its model in place, and it stays "
+               "cast after that Trainer is gone). Keep training with one Trainer (assign a new "
+               "optimizer to its optimizer to change the learning rate or reset the state: it "
+               "adopts it), or give the new Trainer an fp32 model: keep the first Trainer's "
+               "fp32_state_dict() (its exact fp32 weights) before it goes, and load it into "
+               "the model after model->to(torch::kFloat)");
+        }
+        fail("parameter '", item.key(), "' is ", dtype, ", but Trainer<", P::name, "> expects "
+             "an fp32 model and casts it itself: build the model in fp32 (drop the ->to(",
+             dtype, "))");
+      }
+      const auto device = item.value().device();
+      MIXPREC_CHECK(device.is_cpu() || device.is_cuda(), "parameter '", item.key(), "' is on ",
+                    device, ", but Trainer<", P::name, "> trains CPU and CUDA tensors (autocast "
+                    "and the loss scaler know no other device): move the model with "
+                    "->to(torch::kCPU) or ->to(torch::kCUDA)");
+    }
+    if constexpr (P::master_weights) {
+      MasterWeights::check_rebindable(params, optimizer);
+      check_dense_gradients(model, optimizer_tensors(optimizer), P::name);
+    } else {
+      MasterWeights::check_params_of(params, optimizer);
+    }
+    device_types_ = autocast_device_types(params);
+    params_ = params;
+  }
+
+  /// Casts the model as P says, makes the masters from its values (MixedO2) and lists each
+  /// tensor once in the optimizer. Data parallel: after rank 0's values reached every rank.
+  /// `shards`: a group that shards the optimizer state puts this rank's pieces (masters, under
+  /// MixedO2) in the optimizer instead.
+  void take(torch::nn::Module& model, torch::optim::Optimizer& optimizer,
+            StepGroup* shards = nullptr) {
+    if (shards != nullptr) {
+      shards_ = shards;
+      take_sharded(model, optimizer, unique_tensors(optimizer_tensors(optimizer)), true);
+      return;
+    }
+    if constexpr (P::cast_model) {
+      std::vector<at::Tensor> fp32_values;
+      if constexpr (P::master_weights) {
+        for (const auto& p : params_) fp32_values.push_back(p.detach().clone());
+      }
+      cast_model(model, P::low_dtype, P::keep_batch_norm_fp32, P::name);
+      if constexpr (P::master_weights) masters_.emplace(params_, fp32_values, optimizer);
+    }
+    dedupe_param_groups(optimizer);  // the optimizer steps each tensor once
+    // Adagrad's state, made by its constructor, fits the cast tensors (the masters' in bind).
+    if constexpr (!P::master_weights) fit_construction_state(optimizer);
+    record_binding(optimizer);
+  }
+
+  /// What changed in the optimizer since the Trainer bound it: nothing; only a param group's
+  /// options (a new optimizer over the same tensors, under the policies without masters); or
+  /// the tensors it steps (a param group added, a tensor replaced, a new optimizer assigned to
+  /// the Trainer's optimizer variable). A comparison of identities, cheap enough for every step:
+  /// an optimizer must never step tensors the Trainer did not bind (under MixedO2 a new
+  /// optimizer over model->parameters() would step the bf16 model and not its masters).
+  enum class Change { none, options, tensors };
+  Change binding_change(const torch::optim::Optimizer& optimizer) const {
+    const auto& groups = optimizer.param_groups();
+    if (groups.size() != bound_options_.size()) return Change::tensors;
+    auto change = Change::none;
+    std::size_t k = 0;
+    for (std::size_t g = 0; g < groups.size(); ++g) {
+      for (const auto& p : groups[g].params()) {
+        if (k == bound_.size() || id_of(p) != bound_[k++]) return Change::tensors;
+      }
+      if (k != bound_ends_[g]) return Change::tensors;
+      if (&groups[g].options() != bound_options_[g]) change = Change::options;
+    }
+    return change;
+  }
+
+  /// A new optimizer over the same tensors (its options are new): checked as the constructor
+  /// checks one, then bound.
+  void adopt_options(const torch::optim::Optimizer& optimizer) {
+    check_optimizer_constants<P>(optimizer);
+    record_binding(optimizer);
+  }
+
+  /// The optimizer's tensors changed since the last refresh: a param group added after
+  /// construction (progressive unfreezing), or a new optimizer over model->parameters()
+  /// assigned to the Trainer's optimizer (a new learning rate, a reset of its state). Checked
+  /// as the constructor checks the optimizer; under MixedO2 a model tensor that has a master
+  /// is replaced by its master (the fp32 value the run has been training, not its bf16
+  /// rounding), new fp32 tensors are cast per P and get masters from their current values.
+  /// Nothing changes unless all of it can be done.
+  void adopt(torch::nn::Module& model, torch::optim::Optimizer& optimizer) {
+    check_optimizer_constants<P>(optimizer);  // a late group's eps, too
+    const auto params = unique_tensors(model.parameters());
+    if (shards_ != nullptr) {
+      check_pieces_kept(optimizer);
+      // The model tensors among the optimizer's (the others are pieces, or an Error of shard()).
+      const auto ids = identities(params);
+      std::vector<at::Tensor> fresh;
+      for (const auto& p : unique_tensors(optimizer_tensors(optimizer))) {
+        if (ids.count(p.unsafeGetTensorImpl()) == 1) fresh.push_back(p);
+      }
+      check_fp32(fresh);
+      auto claim = ModelClaim::acquire(params, P::name, claim_.get());
+      auto device_types = autocast_device_types(params);
+      claim_ = std::move(claim);
+      device_types_ = std::move(device_types);
+      take_sharded(model, optimizer, fresh, false);
+      params_ = params;
+      return;
+    }
+    if (masters_) {
+      masters_->check_bindable(params, optimizer);
+    } else {
+      MasterWeights::check_params_of(params, optimizer);
+    }
+    const auto fresh = masters_ ? masters_->unbound(optimizer)
+                                : unique_tensors(optimizer_tensors(optimizer));
+    std::vector<at::Tensor> fresh_fp32;  // the tensors to cast: not those the model has cast
+    for (const auto& p : fresh) {
+      if (!masters_ || p.scalar_type() == at::kFloat) fresh_fp32.push_back(p);
+    }
+    check_fp32(fresh_fp32);
+    if (masters_) check_dense_gradients(model, fresh, P::name);
+    auto claim = ModelClaim::acquire(params, P::name, claim_.get());
+    auto device_types = autocast_device_types(params);
+    // All checks passed.
+    claim_ = std::move(claim);
+    device_types_ = std::move(device_types);
+    std::vector<at::Tensor> fp32_values;
+    if (masters_) {
+      for (const auto& p : fresh) fp32_values.push_back(p.detach().to(at::kFloat).clone());
+    }
+    if constexpr (P::cast_model) {
+      cast_model(model, P::low_dtype, P::keep_batch_norm_fp32, P::name, &fresh);
+    }
+    if (masters_) masters_->bind(fresh, fp32_values, optimizer);
+    dedupe_param_groups(optimizer);
+    if (!masters_) fit_construction_state(optimizer);  // Adagrad: the new group's state
+    params_ = params;
+    record_binding(optimizer);
+  }
+
+  /// Whether the optimizer holds this rank's pieces (sharded data parallel).
+  bool sharded() const noexcept { return shards_ != nullptr; }
+
+  /// The model's parameters, each tensor once.
+  const std::vector<at::Tensor>& params() const noexcept { return params_; }
+  /// The fp32 masters (MixedO2); null for the other policies.
+  MasterWeights* masters() noexcept { return masters_ ? &*masters_ : nullptr; }
+  const MasterWeights* masters() const noexcept { return masters_ ? &*masters_ : nullptr; }
+  /// The parameters' device types: autocast engages on each.
+  const std::vector<c10::DeviceType>& device_types() const noexcept { return device_types_; }
+
+  /// PyTorch's zero_grad(set_to_none=True), its default: a tensor the next step does not reach
+  /// keeps no gradient, and the optimizer skips it (Adam's moments and weight decay do not move
+  /// it). The model's tensors, the optimizer's (masters, sharded pieces) and every master. Done
+  /// after each optimizer step too: a stray optimizer.step() of the user's (the habit of
+  /// Python's `scaler.step(opt)`) then finds no gradient to apply a second time.
+  void clear_grads(const torch::optim::Optimizer& optimizer) {
+    held_.clear();
+    detail::clear_grads(params_);
+    for (const auto& group : optimizer.param_groups()) detail::clear_grads(group.params());
+    if (masters_) detail::clear_grads(masters_->masters());
+  }
+
+  /// The model tensors' gradients only.
+  void clear_model_grads() const { detail::clear_grads(params_); }
+
+  /// Between the micro-batches of an accumulation the partial sums are held here, out of the
+  /// tensors' .grad(), where an optimizer.step() outside the Trainer would apply them; release()
+  /// puts them back before the next backward pass adds to them. Moves handles, copies nothing.
+  void hold_grads(const torch::optim::Optimizer& optimizer) {
+    const auto hold = [this](const at::Tensor& t) {
+      if (!t.grad().defined()) return;
+      held_.emplace_back(t, t.grad());
+      t.mutable_grad().reset();
+    };
+    for (const auto& p : params_) hold(p);
+    for (const auto& group : optimizer.param_groups()) {
+      for (const auto& p : group.params()) hold(p);
+    }
+    if (masters_) {
+      for (const auto& m : masters_->masters()) hold(m);
+    }
+  }
+  void release_grads() {
+    for (auto& [tensor, grad] : held_) tensor.mutable_grad() = std::move(grad);
+    held_.clear();
+  }
+
+  /// The name of a model parameter that has a gradient, or empty: after loss_fn, with every
+  /// gradient cleared or held before it, one means that loss_fn ran a backward pass itself.
+  std::string first_with_grad(const torch::nn::Module& model) const {
+    for (const auto& p : params_) {
+      if (!p.grad().defined()) continue;
+      for (const auto& item : model.named_parameters()) {
+        if (item.value().is_same(p)) return item.key();
+      }
+      return "?";
+    }
+    return {};
+  }
+
+  /// Whether a parameter has been frozen or unfrozen since bind().
+  bool trainable_changed() const {
+    std::size_t k = 0;
+    for (const auto& p : params_) {
+      if (!p.requires_grad()) continue;
+      if (k == trainable_.size() || trainable_[k] != id_of(p)) return true;
+      ++k;
+    }
+    return k != trainable_.size();
+  }
+
+  /// Every trainable model tensor's gradient is averaged into its master's (MixedO2) or its
+  /// own. First the ranks compare their models tensor by tensor: ranks that froze different
+  /// tensors of the same shapes would otherwise average one tensor's gradient with another's.
+  void bind(StepGroup& group, const torch::nn::Module& model) {
+    group.check_same_model(model);
+    std::vector<at::Tensor> params, holders;
+    std::vector<TensorId> trainable;
+    for (const auto& p : params_) {
+      if (!p.requires_grad()) continue;
+      const auto master = masters_ ? masters_->master_of(p) : at::Tensor();
+      params.push_back(p);
+      holders.push_back(master.defined() ? master : p);
+      trainable.push_back(id_of(p));
+    }
+    group.bind(params, holders);
+    trainable_ = std::move(trainable);
+  }
+
+  /// fp16's view of the gradients, per parameter or name prefix, still scaled: in the masters'
+  /// gradients where they hold them at the end of the backward pass (`in_masters`: MixedO2
+  /// with accumulation or data parallel), else in the model's.
+  GradientStats gradient_stats(const torch::nn::Module& model, std::int64_t step, double scale,
+                               std::int64_t group_depth, bool in_masters) const {
+    std::vector<std::string> names;
+    std::vector<at::Tensor> grads;
+    for (const auto& [name, p] : unique_named(model.named_parameters())) {
+      const auto master = in_masters && masters_ ? masters_->master_of(p) : at::Tensor();
+      const auto grad = master.defined() ? master.grad() : p.grad();
+      if (!grad.defined()) continue;
+      names.push_back(name_prefix(name, group_depth));
+      grads.push_back(grad);
+    }
+    auto ranges = gradient_ranges(grads, scale);
+    for (std::size_t i = 0; i < ranges.size(); ++i) ranges[i].name = std::move(names[i]);
+    GradientStats stats;
+    stats.step = step;
+    stats.scale = scale;
+    stats.entries = merge_ranges(std::move(ranges));
+    return stats;
+  }
+
+  /// A skipped step's second pass: which of the loss and the gradients held inf/NaN. After the
+  /// unscale pass a non-finite gradient is still non-finite, in the model's gradient and, under
+  /// MixedO2, in the master's: both are read.
+  Overflow find_overflow(const torch::nn::Module& model, const at::Tensor& losses,
+                         bool data_parallel) const {
+    Overflow overflow;
+    overflow.loss = losses.defined() && !std::isfinite(losses.item<double>());
+    std::vector<std::string> names;
+    std::vector<at::Tensor> grads;
+    std::vector<std::size_t> owner;  // index into names of each gradient read
+    for (const auto& [name, p] : unique_named(model.named_parameters())) {
+      const auto master = masters_ ? masters_->master_of(p) : at::Tensor();
+      bool has_grad = false;
+      for (const auto& grad : {p.grad(), master.defined() ? master.grad() : at::Tensor()}) {
+        if (!grad.defined()) continue;
+        owner.push_back(names.size());
+        grads.push_back(grad);
+        has_grad = true;
+      }
+      overflow.checked += has_grad ? 1 : 0;
+      names.push_back(name);
+    }
+    const auto flags = non_finite_flags(grads);
+    std::vector<bool> bad(names.size(), false);
+    for (std::size_t i = 0; i < flags.size(); ++i) bad[owner[i]] = bad[owner[i]] || flags[i];
+    for (std::size_t i = 0; i < names.size(); ++i) {
+      if (!bad[i]) continue;
+      ++overflow.param_count;
+      if (overflow.params.size() < Overflow::max_names) overflow.params.push_back(names[i]);
+    }
+    overflow.other_rank = data_parallel && !overflow.loss && overflow.param_count == 0;
+    return overflow;
+  }
+
+ private:
+  // What binding_change() compares against: every tensor the optimizer holds, by identity, the
+  // end of each group among them, and each group's options object.
+  void record_binding(const torch::optim::Optimizer& optimizer) {
+    bound_.clear();
+    bound_ends_.clear();
+    bound_options_.clear();
+    for (const auto& group : optimizer.param_groups()) {
+      for (const auto& p : group.params()) bound_.push_back(id_of(p));
+      bound_ends_.push_back(bound_.size());
+      bound_options_.push_back(&group.options());
+    }
+  }
+
+  // Sharded: the optimizer still holds every piece this rank steps, in its group (a new
+  // optimizer would hold model tensors instead, which would have to be laid out again).
+  void check_pieces_kept(const torch::optim::Optimizer& optimizer) const {
+    const auto& groups = optimizer.param_groups();
+    bool kept = groups.size() >= bound_ends_.size();
+    std::size_t k = 0;
+    for (std::size_t g = 0; kept && g < bound_ends_.size(); ++g) {
+      const auto& params = groups[g].params();
+      const auto count = bound_ends_[g] - k;
+      kept = params.size() >= count;
+      for (std::size_t i = 0; kept && i < count; ++i) kept = id_of(params[i]) == bound_[k + i];
+      k = bound_ends_[g];
+    }
+    MIXPREC_CHECK(kept, "the optimizer no longer holds the tensors the Trainer bound (a new "
+                  "optimizer was assigned to it, or a param group's tensors were replaced): "
+                  "with DistributedOptions::shard_optimizer_state each rank's optimizer holds "
+                  "its slices, which a new optimizer cannot take over; change the options of "
+                  "its param groups instead (e.g. the learning rate), or save, build a new "
+                  "Trainer with a new optimizer and load");
+  }
+
+  void check_fp32(const std::vector<at::Tensor>& fresh) const {
+    for (const auto& p : fresh) {
+      const auto dtype = p.scalar_type();
+      MIXPREC_CHECK(dtype == at::kFloat || (P::cast_model && dtype == P::low_dtype), "the "
+                    "optimizer holds a ", dtype, " tensor of shape ", p.sizes(), ", but Trainer<",
+                    P::name, "> trains fp32 tensors and casts them itself: register it in fp32");
+    }
+  }
+
+  // Sharded: casts the model (`whole`) or `fresh` (the optimizer's model tensors not yet
+  // sharded) as P says, and hands `fresh` to the group with their fp32 values, from which the
+  // pieces that are masters are made (a detached tensor keeps the fp32 storage that the cast's
+  // set_data replaces: no copy of the model).
+  void take_sharded(torch::nn::Module& model, torch::optim::Optimizer& optimizer,
+                    const std::vector<at::Tensor>& fresh, bool whole) {
+    std::vector<std::pair<at::Tensor, at::Tensor>> pairs;
+    for (const auto& p : fresh) {
+      pairs.emplace_back(p, P::master_weights ? p.detach() : at::Tensor());
+    }
+    if constexpr (P::cast_model) {
+      cast_model(model, P::low_dtype, P::keep_batch_norm_fp32, P::name,
+                 whole ? nullptr : &fresh);
+    }
+    dedupe_param_groups(optimizer);
+    shards_->shard(optimizer, pairs, P::master_weights);
+    record_binding(optimizer);
+  }
+
+  StepGroup* shards_ = nullptr;              // sharded data parallel: the group
+  std::shared_ptr<ModelClaim> claim_;        // no other Trainer may train the model meanwhile
+  std::vector<at::Tensor> params_;           // model.parameters(), each tensor once
+  std::vector<TensorId> bound_;              // the optimizer's tensors, as bound
+  std::vector<std::size_t> bound_ends_;      // each group's end in bound_
+  std::vector<const void*> bound_options_;   // each group's options object
+  std::vector<std::pair<at::Tensor, at::Tensor>> held_;  // hold_grads(): (tensor, gradient)
+  std::optional<MasterWeights> masters_;     // MixedO2
+  std::vector<c10::DeviceType> device_types_;
+  std::vector<TensorId> trainable_;          // the tensors data parallel averages (bind)
+};
+
+}  // namespace mixprec::detail

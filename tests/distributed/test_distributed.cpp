@@ -1,0 +1,1984 @@
+// Data-parallel training with real processes on loopback: the doctest cases start ranks of this
+// same binary (`--rank-of CASE RANK WORLD DIR`), each over Gloo with a FileStore in DIR, and
+// check their exit codes; each rank asserts its own results and prints what failed.
+#include <mixprec/mixprec.hpp>
+#include <mixprec/distributed/process_group.hpp>
+
+#include "support.hpp"
+
+#define DOCTEST_CONFIG_IMPLEMENT
+#include "runner.hpp"
+#include <torch/csrc/distributed/c10d/FileStore.hpp>
+#include <torch/torch.h>
+
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cmath>
+#include <csignal>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <iostream>
+#include <map>
+#include <random>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+extern char** environ;
+namespace mp = mixprec;
+using test::identical;
+using test::snapshot;
+
+namespace {
+
+// ---------------------------------------------------------------- in a rank
+
+int failures = 0;
+#define RANK_EXPECT(cond, ...)                                                             \
+  do {                                                                                     \
+    if (!(cond)) {                                                                         \
+      ++failures;                                                                          \
+      std::cerr << "rank check failed at line " << __LINE__ << ": " #cond " " << __VA_ARGS__ \
+                << "\n";                                                                   \
+    }                                                                                      \
+  } while (false)
+
+// A process group that counts the collectives it forwards: accumulation must not communicate
+// before the last micro-batch.
+struct CountingGroup : mp::ProcessGroup {
+  explicit CountingGroup(c10::intrusive_ptr<mp::ProcessGroup> inner)
+      : mp::ProcessGroup(inner->getRank(), inner->getSize()), inner_(std::move(inner)) {}
+  c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors,
+                                           const c10d::AllreduceOptions& options) override {
+    ++calls;
+    return inner_->allreduce(tensors, options);
+  }
+  c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors,
+                                           const c10d::BroadcastOptions& options) override {
+    ++calls;
+    return inner_->broadcast(tensors, options);
+  }
+  c10::intrusive_ptr<c10d::Work> allgather(std::vector<std::vector<at::Tensor>>& outputs,
+                                           std::vector<at::Tensor>& inputs,
+                                           const c10d::AllgatherOptions& options) override {
+    ++calls;
+    return inner_->allgather(outputs, inputs, options);
+  }
+  const std::string getBackendName() const override { return inner_->getBackendName(); }
+  int calls = 0;
+
+ private:
+  c10::intrusive_ptr<mp::ProcessGroup> inner_;
+};
+
+struct Rank {
+  int rank;
+  int world;
+  std::string dir;
+  c10::intrusive_ptr<mp::ProcessGroup> group;
+};
+
+// What users build: a tied weight (one Linear under two names), a frozen submodule, ReLU.
+struct NetImpl : torch::nn::Module {
+  explicit NetImpl(bool extra = false) {
+    in = register_module("in", torch::nn::Linear(8, 16));
+    frozen = register_module("frozen", torch::nn::Linear(16, 16));
+    hidden = register_module("hidden", torch::nn::Linear(16, 16));
+    register_module("hidden_tied", hidden);
+    out = register_module("out", torch::nn::Linear(16, 4));
+    if (extra) register_module("extra", torch::nn::Linear(4, 4));
+    for (auto& p : frozen->parameters()) p.requires_grad_(false);
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    x = torch::relu(in->forward(x));
+    x = frozen->forward(x);
+    x = torch::relu(hidden->forward(x));
+    x = torch::relu(hidden->forward(x));  // the tied weight, used twice
+    return out->forward(x);
+  }
+  torch::nn::Linear in{nullptr}, frozen{nullptr}, hidden{nullptr}, out{nullptr};
+};
+TORCH_MODULE(Net);
+
+// Dyadic values (multiples of 1/8 in [-1, 1]): sums of their products are exact in fp32.
+torch::Tensor dyadic(std::vector<std::int64_t> shape, torch::Generator& gen) {
+  return torch::randint(-8, 9, shape, gen, torch::kFloat) / 8.0;
+}
+
+Net dyadic_net(std::uint64_t seed, bool extra = false) {
+  torch::manual_seed(static_cast<std::int64_t>(seed));
+  Net net(extra);
+  auto gen = at::detail::createCPUGenerator(seed);
+  torch::NoGradGuard no_grad;
+  // -1/4, 0 or 1/4: through four layers, products and sums stay exact in fp32.
+  for (auto& p : net->parameters()) {
+    p.copy_(torch::randint(-1, 2, p.sizes(), gen, torch::kFloat) / 4.0);
+  }
+  return net;
+}
+
+struct Batch {
+  torch::Tensor x, y;
+};
+
+// Step k's global batch of world * per_rank rows; rank r trains rows [r*per_rank, (r+1)*per_rank).
+std::vector<Batch> batches(int steps, std::int64_t rows, int inf_step) {
+  auto gen = at::detail::createCPUGenerator(7);
+  std::vector<Batch> result;
+  for (int k = 0; k < steps; ++k) {
+    // Halves in [-1, 1]: few bits, so that the first steps' sums are exact in fp32.
+    Batch b{torch::randint(-2, 3, {rows, 8}, gen, torch::kFloat) / 2.0,
+            torch::randint(-2, 3, {rows, 4}, gen, torch::kFloat) / 2.0};
+    if (k == inf_step) b.x[rows - 1][0] = std::numeric_limits<float>::infinity();  // last rank's
+    result.push_back(b);
+  }
+  return result;
+}
+
+template <class P>
+torch::Tensor loss_of(mp::Trainer<P>& trainer, Net& net, const Batch& b) {
+  auto out = net->forward(trainer.cast_input(b.x)).to(torch::kFloat);
+  return (out - b.y).pow(2).mean();  // mse_loss by hand: 1.13 has no bf16 mse_loss on the CPU
+}
+
+struct Run {
+  std::vector<mp::StepStatus> statuses;
+  std::vector<double> scales;
+  std::vector<std::vector<torch::Tensor>> params;  // after each step: model tensors, masters
+};
+
+template <class P>
+mp::TrainerOptions options_for(int accumulation) {
+  auto options = mp::TrainerOptions().accumulation_steps(accumulation);
+  if constexpr (std::is_same_v<typename P::scaler_type, mp::GradScaler>) {
+    // Low enough that fp16 never overflows here: only the injected inf skips, on one process
+    // as on N (whose per-rank gradients differ, and could overflow where the mean does not).
+    options.scaler(mp::GradScalerOptions().init_scale(1 << 10).growth_interval(2));
+  }
+  return options;
+}
+
+// Two param groups (the hidden layer at another lr); SGD with dyadic lr and momentum.
+std::unique_ptr<torch::optim::SGD> sgd_for(Net& net) {
+  std::vector<torch::optim::OptimizerParamGroup> groups;
+  std::vector<torch::Tensor> first, second;
+  for (auto& p : net->in->parameters()) first.push_back(p);
+  for (auto& p : net->out->parameters()) first.push_back(p);
+  for (auto& p : net->hidden->parameters()) second.push_back(p);
+  groups.emplace_back(first);
+  groups.emplace_back(second, std::make_unique<torch::optim::SGDOptions>(1.0 / 32));
+  return std::make_unique<torch::optim::SGD>(groups, torch::optim::SGDOptions(1.0 / 16).momentum(0.5));
+}
+
+template <class P>
+Run train(Net net, std::optional<mp::DistributedOptions> distributed, int accumulation,
+          const std::vector<Batch>& data, std::int64_t begin, std::int64_t rows,
+          const CountingGroup* counter = nullptr) {
+  auto optimizer = sgd_for(net);
+  auto options = options_for<P>(accumulation);
+  if (distributed) options.distributed(*distributed);
+  mp::Trainer<P> trainer(net, *optimizer, options);
+  Run run;
+  for (const auto& batch : data) {
+    mp::StepReport report;
+    // Accumulation: micro-batch m is the m-th slice of this rank's rows.
+    const auto micro = rows / accumulation;
+    for (int m = 0; m < accumulation; ++m) {
+      Batch part{batch.x.narrow(0, begin + m * micro, micro), batch.y.narrow(0, begin + m * micro, micro)};
+      const int calls = counter ? counter->calls : 0;
+      report = trainer.step([&] { return loss_of(trainer, net, part); });
+      // No buffers to broadcast in this model: a micro-batch before the last is silent.
+      if (counter && m + 1 < accumulation) {
+        RANK_EXPECT(counter->calls == calls, "a collective before the last micro-batch");
+      }
+      if (counter && m + 1 == accumulation) RANK_EXPECT(counter->calls > calls, "no collective");
+    }
+    run.statuses.push_back(report.status);
+    run.scales.push_back(report.scale);
+    std::vector<torch::Tensor> values;
+    for (const auto& p : net->parameters()) values.push_back(p.detach().clone());
+    for (const auto& m : trainer.master_weights()) values.push_back(m.detach().clone());
+    run.params.push_back(values);
+  }
+  return run;
+}
+
+// How many leading steps left every tensor bitwise equal.
+std::size_t equal_steps(const Run& a, const Run& b) {
+  std::size_t k = 0;
+  for (; k < a.params.size(); ++k) {
+    for (std::size_t i = 0; i < a.params[k].size(); ++i) {
+      if (!torch::equal(a.params[k][i], b.params[k][i])) return k;
+    }
+  }
+  return k;
+}
+
+// The largest |a - b| / (|b| + 2^-6) over all tensors of all steps.
+double max_difference(const Run& a, const Run& b) {
+  double worst = 0;
+  for (std::size_t k = 0; k < a.params.size(); ++k) {
+    for (std::size_t i = 0; i < a.params[k].size(); ++i) {
+      const auto x = a.params[k][i].to(torch::kDouble), y = b.params[k][i].to(torch::kDouble);
+      worst = std::max(worst, ((x - y).abs() / (y.abs() + 1.0 / 64)).max().item<double>());
+    }
+  }
+  return worst;
+}
+
+// Whether every rank holds the same values, bit for bit.
+bool same_on_every_rank(Rank& r, const std::vector<torch::Tensor>& tensors) {
+  bool same = true;
+  for (const auto& t : tensors) {
+    const auto bits = mp::DataParallel::as_bits(t.detach().contiguous());  // 1.13's Gloo: no bf16
+    std::vector<std::vector<torch::Tensor>> out(1);
+    for (int k = 0; k < r.world; ++k) out[0].push_back(torch::empty_like(bits));
+    std::vector<torch::Tensor> in{bits};
+    r.group->allgather(out, in)->wait();
+    for (const auto& other : out[0]) same = same && torch::equal(other, bits);
+  }
+  return same;
+}
+
+// Rank 0's values of `tensors`, on every rank (copies).
+std::vector<torch::Tensor> rank0_values(Rank& r, const std::vector<torch::Tensor>& tensors) {
+  std::vector<torch::Tensor> result;
+  for (const auto& t : tensors) {
+    std::vector<torch::Tensor> bits{mp::DataParallel::as_bits(t.detach().clone().contiguous())};
+    c10d::BroadcastOptions options;
+    options.rootRank = 0;
+    r.group->broadcast(bits, options)->wait();
+    result.push_back(mp::DataParallel::from_bits(bits[0], t).view(t.sizes()));
+  }
+  return result;
+}
+
+// N ranks x batch B against one process x batch N*B, on the same data and weights (rank 0's:
+// the ranks start from different seeds, so the construction's broadcast is tested too). One
+// input of the last rank is inf at step 3: every rank must skip it, as the one process does.
+template <class P>
+void equivalence(Rank& r, int accumulation, c10::ScalarType reduce_dtype, double tolerance,
+                 std::size_t bitwise_steps = 0) {
+  const int steps = 6;
+  const std::int64_t per_rank = 4 * accumulation;
+  const auto data = batches(steps, per_rank * r.world, /*inf_step=*/3);
+  const auto single = train<P>(dyadic_net(1000), std::nullopt, accumulation, data, 0,
+                               per_rank * r.world);
+  auto counter = c10::make_intrusive<CountingGroup>(r.group);
+  auto options = mp::DistributedOptions(counter).reduce_dtype(reduce_dtype).first_bucket_cap_mb(0.0005);
+  const auto dist = train<P>(dyadic_net(1000 + r.rank), options, accumulation, data,
+                             r.rank * per_rank, per_rank, counter.get());
+  RANK_EXPECT(dist.statuses == single.statuses, P::name);
+  RANK_EXPECT(dist.statuses[3] == mp::StepStatus::skipped, P::name);
+  RANK_EXPECT(dist.scales == single.scales, P::name);
+  const double difference = max_difference(dist, single);
+  std::cerr << "rank " << r.rank << " " << P::name << " x" << r.world << " accumulation "
+            << accumulation << " reduce " << reduce_dtype << ": max relative difference "
+            << difference << " (tolerance " << tolerance << ")\n";
+  RANK_EXPECT(difference <= tolerance, P::name << " " << difference);
+  const auto exact = equal_steps(dist, single);
+  std::cerr << "rank " << r.rank << " " << P::name << ": the first " << exact << " steps bitwise equal\n";
+  RANK_EXPECT(exact >= bitwise_steps, P::name << ": " << exact << " bitwise equal steps");
+  RANK_EXPECT(same_on_every_rank(r, dist.params.back()), P::name << ": ranks differ");
+}
+
+void case_equivalence(Rank& r, int accumulation) {
+  // fp32 over 2 ranks: the same sums in another grouping, exact while the values are dyadic
+  // with few bits, so the first step is bitwise equal; once the updated weights fill their
+  // mantissas the groupings round differently (measured: about 1e-7 relative after 6 steps).
+  // Over 3 ranks a mean of means of 4 rows is not the mean of 12 in fp32 even on dyadic data.
+  // Where gradients round to 16 bits on each rank before the sum, they differ by that rounding
+  // (measured: at most 0.016 for bf16 under MixedO1/O2, 0.001 for fp16).
+  equivalence<mp::FullPrecision>(r, accumulation, at::kFloat, 1e-6,
+                                 r.world == 2 && accumulation == 1 ? 1 : 0);
+  equivalence<mp::MixedO1<at::BFloat16>>(r, accumulation, at::kFloat, 0.05);
+  equivalence<mp::MixedO2<at::BFloat16>>(r, accumulation, at::kFloat, 0.05);
+  // Weights, gradients and momentum all in bf16: measured up to 0.094 under LibTorch 1.13.
+  equivalence<mp::PureHalf<at::BFloat16>>(r, accumulation, at::kFloat, 0.125);
+  equivalence<mp::MixedO2<at::BFloat16>>(r, accumulation, at::kHalf, 0.05);
+  if constexpr (mp::cpu_half_math) {
+    equivalence<mp::MixedO1<at::Half>>(r, accumulation, at::kFloat, 0.01);
+    equivalence<mp::MixedO2<at::Half>>(r, accumulation, at::kFloat, 0.01);
+    equivalence<mp::PureHalf<at::Half>>(r, accumulation, at::kFloat, 0.01);
+  }
+}
+
+// A NaN loss on one rank only, with finite gradients everywhere: every rank skips.
+void case_local_nan(Rank& r) {
+  auto net = dyadic_net(3);
+  auto optimizer = sgd_for(net);
+  mp::Trainer<mp::MixedO2<at::BFloat16>> trainer(
+      net, *optimizer, mp::TrainerOptions().distributed(mp::DistributedOptions(r.group)));
+  auto gen = at::detail::createCPUGenerator(5);
+  for (int k = 0; k < 4; ++k) {
+    Batch b{dyadic({4, 8}, gen), dyadic({4, 4}, gen)};
+    const auto report = trainer.step([&] {
+      auto loss = loss_of(trainer, net, b);
+      // NaN in value, finite in gradient: the loss check alone sees it.
+      if (k == 2 && r.rank == 0) loss = loss + torch::full({}, NAN);
+      return loss;
+    });
+    RANK_EXPECT((report.status == mp::StepStatus::skipped) == (k == 2), "step " << k);
+    RANK_EXPECT(report.overflow.has_value() == (k == 2), "step " << k);
+    if (report.overflow) {
+      // Rank 0 finds its own loss; the others find nothing of theirs and say so.
+      RANK_EXPECT(report.overflow->loss == (r.rank == 0), "");
+      RANK_EXPECT(report.overflow->other_rank == (r.rank != 0), "");
+      RANK_EXPECT(report.overflow->param_count == 0, report.overflow->param_count);
+    }
+  }
+  RANK_EXPECT(trainer.stats().skipped_steps == 1, "");
+}
+
+// Real overflows, on some ranks and not others: bf16 gradients times 2^127 overflow where the
+// rank's values are large. Every rank takes the same decisions and keeps the same scale.
+struct ScaledO2 : mp::MixedO2<at::BFloat16> {
+  static constexpr std::string_view name = "ScaledO2";
+  using scaler_type = mp::GradScaler;
+};
+
+void case_overflow(Rank& r) {
+  auto net = dyadic_net(3);
+  auto optimizer = sgd_for(net);
+  mp::Trainer<ScaledO2> trainer(
+      net, *optimizer,
+      mp::TrainerOptions()
+          .scaler(mp::GradScalerOptions().init_scale(std::ldexp(1.0, 127)).growth_interval(3))
+          .distributed(mp::DistributedOptions(r.group)));
+  auto gen = at::detail::createCPUGenerator(5 + r.rank);  // each rank its own data
+  std::vector<double> history;
+  for (int k = 0; k < 12; ++k) {
+    // Rank r's inputs grow with r: its gradients overflow at scales the others survive.
+    Batch b{dyadic({4, 8}, gen) * std::ldexp(1.0, 4 * r.rank), dyadic({4, 4}, gen)};
+    const auto report = trainer.step([&] { return loss_of(trainer, net, b); });
+    history.push_back(report.stepped() ? 1.0 : 0.0);
+    history.push_back(report.scale);
+    // The averaged gradients are the same everywhere: so are the parameters named.
+    RANK_EXPECT(report.stepped() || (report.overflow && report.overflow->param_count > 0 &&
+                                     !report.overflow->other_rank),
+                "step " << k);
+    history.push_back(report.overflow ? static_cast<double>(report.overflow->param_count) : -1.0);
+  }
+  const auto stats = trainer.stats();
+  std::cerr << "rank " << r.rank << ": " << stats.skipped_steps << " of " << stats.steps
+            << " steps skipped, scale " << stats.scale << "\n";
+  RANK_EXPECT(stats.skipped_steps >= 2 && stats.skipped_steps < stats.steps, stats.skipped_steps);
+  RANK_EXPECT(same_on_every_rank(r, {torch::tensor(history, torch::kDouble)}), "decisions differ");
+  RANK_EXPECT(same_on_every_rank(r, net->parameters()), "parameters differ");
+  RANK_EXPECT(same_on_every_rank(r, trainer.master_weights()), "masters differ");
+}
+
+// A parameter used on some ranks only: reduced as zeros where unused, identical everywhere.
+struct BranchyImpl : torch::nn::Module {
+  BranchyImpl() {
+    a = register_module("a", torch::nn::Linear(8, 4));
+    b = register_module("b", torch::nn::Linear(8, 4));
+    never = register_module("never", torch::nn::Linear(8, 4));
+  }
+  torch::nn::Linear a{nullptr}, b{nullptr}, never{nullptr};
+};
+TORCH_MODULE(Branchy);
+
+void case_unused(Rank& r) {
+  torch::manual_seed(11);
+  Branchy net;
+  torch::optim::SGD optimizer(net->parameters(), torch::optim::SGDOptions(0.1));
+  mp::Trainer<mp::FullPrecision> trainer(
+      net, optimizer, mp::TrainerOptions().distributed(mp::DistributedOptions(r.group)));
+  const auto b_before = net->b->weight.detach().clone();
+  auto gen = at::detail::createCPUGenerator(5);
+  for (int k = 0; k < 3; ++k) {
+    auto x = dyadic({4, 8}, gen);
+    trainer.step([&] {
+      auto out = net->a->forward(x);
+      if (r.rank == 0) out = out + net->b->forward(x);  // b: rank 0 only
+      return out.pow(2).mean();
+    });
+  }
+  RANK_EXPECT(!torch::equal(net->b->weight, b_before), "b was trained");
+  RANK_EXPECT(!net->never->weight.grad().defined(), "a tensor unused everywhere keeps no gradient");
+  RANK_EXPECT(same_on_every_rank(r, net->parameters()), "ranks differ");
+}
+
+void case_mismatch(Rank& r) {
+  auto net = dyadic_net(1, /*extra=*/r.rank == 1);
+  auto optimizer = sgd_for(net);
+  try {
+    mp::Trainer<mp::FullPrecision> trainer(
+        net, *optimizer, mp::TrainerOptions().distributed(mp::DistributedOptions(r.group)));
+    RANK_EXPECT(false, "no Error for models that differ");
+  } catch (const mp::Error& e) {
+    const std::string message = e.what();
+    RANK_EXPECT(message.find("ranks [1] differ from rank 0's") != std::string::npos, message);
+  }
+}
+
+// Ranks that freeze different tensors of the same shape: an Error on every rank at the next
+// step, before its backward pass, the parameters as they were.
+void case_frozen_mismatch(Rank& r) {
+  torch::manual_seed(1);
+  torch::nn::Sequential net(torch::nn::Linear(8, 8), torch::nn::Linear(8, 8), torch::nn::Linear(8, 4));
+  torch::optim::SGD optimizer(net->parameters(), torch::optim::SGDOptions(0.1));
+  mp::Trainer<mp::FullPrecision> trainer(
+      net, optimizer, mp::TrainerOptions().distributed(mp::DistributedOptions(r.group)));
+  auto gen = at::detail::createCPUGenerator(5);
+  const auto loss = [&] {
+    auto x = dyadic({4, 8}, gen);
+    return net->forward(x).pow(2).mean();
+  };
+  trainer.step(loss);
+  for (auto& p : net[static_cast<std::size_t>(r.rank)]->parameters()) p.requires_grad_(false);
+  const auto before = snapshot(net->parameters());
+  try {
+    trainer.step(loss);
+    RANK_EXPECT(false, "no Error for ranks that froze different tensors");
+  } catch (const mp::Error& e) {
+    const std::string message = e.what();
+    RANK_EXPECT(message.find("freeze the same parameters") != std::string::npos, message);
+  }
+  RANK_EXPECT(identical(net->parameters(), before), "parameters changed");
+}
+
+// A rank whose step() threw (in its loss_fn, before any collective) and that goes on: its next
+// step's gradients meet the others' current ones. The agreement compares the ranks' step()
+// calls: an Error on every rank, before anything steps.
+void case_diverged(Rank& r) {
+  auto net = dyadic_net(1);
+  auto optimizer = sgd_for(net);
+  mp::Trainer<mp::FullPrecision> trainer(
+      net, *optimizer, mp::TrainerOptions().distributed(mp::DistributedOptions(r.group)));
+  auto gen = at::detail::createCPUGenerator(5);
+  std::string message;
+  std::vector<torch::Tensor> before;
+  try {
+    for (int k = 0; k < 4; ++k) {
+      Batch b{dyadic({4, 8}, gen), dyadic({4, 4}, gen)};
+      before = snapshot(net->parameters());
+      try {
+        trainer.step([&] {
+          if (k == 1 && r.rank == 1) throw std::runtime_error("a bad batch");
+          return loss_of(trainer, net, b);
+        });
+      } catch (const std::runtime_error& e) {
+        if (std::string(e.what()) != "a bad batch") throw;
+      }
+    }
+  } catch (const mp::Error& e) {
+    message = e.what();
+  }
+  RANK_EXPECT(message.find("the ranks are at different steps") != std::string::npos,
+              "no Error, or another: " << message);
+  RANK_EXPECT(identical(net->parameters(), before), "the step that found it changed the model");
+}
+
+// Saved by 2 ranks, resumed by 3: ranks 0 and 1 get their saved random streams, rank 2 one
+// derived for it (detail::derived_rng_state), not rank 0's: its dropout masks differ.
+void case_grow(Rank& r) {
+  const auto checkpoint = (std::filesystem::path(r.dir).parent_path() / "grow.ckpt").string();
+  auto net = dyadic_net(1);
+  torch::manual_seed(100 + r.rank);  // after dyadic_net, which seeds
+  auto optimizer = sgd_for(net);
+  mp::Trainer<mp::FullPrecision> trainer(
+      net, *optimizer, mp::TrainerOptions().distributed(mp::DistributedOptions(r.group)));
+  if (r.world == 2) {
+    auto gen = at::detail::createCPUGenerator(5);
+    Batch b{dyadic({4, 8}, gen), dyadic({4, 4}, gen)};
+    trainer.step([&] { return loss_of(trainer, net, b); });
+    trainer.save(checkpoint);
+    return;
+  }
+  trainer.load(checkpoint);
+  const auto rank0_state = rank0_values(r, {at::detail::getDefaultCPUGenerator().get_state()})[0];
+  if (r.rank == 2) {
+    RANK_EXPECT(identical(at::detail::getDefaultCPUGenerator().get_state(),
+                          mp::detail::derived_rng_state(rank0_state, 2)),
+                "rank 2's stream is not the derived one");
+  }
+  const auto mask = torch::dropout(torch::ones({64}), 0.5, true);
+  std::vector<std::vector<torch::Tensor>> all(1);
+  for (int k = 0; k < r.world; ++k) all[0].push_back(torch::empty_like(mask));
+  std::vector<torch::Tensor> mine{mask};
+  r.group->allgather(all, mine)->wait();
+  for (int a = 0; a < r.world; ++a) {
+    for (int b = a + 1; b < r.world; ++b) {
+      RANK_EXPECT(!torch::equal(all[0][static_cast<std::size_t>(a)], all[0][static_cast<std::size_t>(b)]),
+                  "ranks " << a << " and " << b << " drew the same dropout mask");
+    }
+  }
+}
+
+// Rank world-1 dies at step 3; the others must throw mixprec::Error soon, not hang.
+void case_kill(Rank& r) {
+  auto net = dyadic_net(1);
+  auto optimizer = sgd_for(net);
+  mp::Trainer<mp::FullPrecision> trainer(
+      net, *optimizer, mp::TrainerOptions().distributed(mp::DistributedOptions(r.group)));
+  auto gen = at::detail::createCPUGenerator(5);
+  const auto start = std::chrono::steady_clock::now();
+  try {
+    for (int k = 0; k < 100; ++k) {
+      if (k == 3 && r.rank == r.world - 1) std::raise(SIGKILL);
+      Batch b{dyadic({4, 8}, gen), dyadic({4, 4}, gen)};
+      trainer.step([&] { return loss_of(trainer, net, b); });
+    }
+    RANK_EXPECT(false, "no Error after a peer died");
+  } catch (const mp::Error& e) {
+    const auto seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    std::cerr << "rank " << r.rank << " after " << seconds << " s: " << e.what() << "\n";
+    RANK_EXPECT(std::string(e.what()).find("across ranks failed") != std::string::npos, e.what());
+  }
+}
+
+// A run saved at step 3 and resumed by fresh objects equals the uninterrupted run bitwise:
+// parameters, masters, optimizer state, scale, counters; dropout draws from each rank's RNG.
+void case_resume(Rank& r) {
+  using P = mp::MixedO2<at::Half>;
+  using Q = mp::MixedO2<at::BFloat16>;
+  using Policy = std::conditional_t<mp::cpu_half_math, P, Q>;
+  const auto data = batches(6, 4 * r.world, /*inf_step=*/2);
+  const auto path = r.dir + "/resume.ckpt";
+  auto make = [&](Net& net, std::unique_ptr<torch::optim::SGD>& optimizer) {
+    net = dyadic_net(1000);
+    optimizer = sgd_for(net);
+    auto options = options_for<Policy>(1).distributed(mp::DistributedOptions(r.group));
+    return std::make_unique<mp::Trainer<Policy>>(net, *optimizer, options);
+  };
+  auto step = [&](mp::Trainer<Policy>& trainer, Net& net, const Batch& b) {
+    Batch part{b.x.narrow(0, 4 * r.rank, 4), b.y.narrow(0, 4 * r.rank, 4)};
+    trainer.step([&] {
+      auto out = net->forward(trainer.cast_input(part.x)).to(torch::kFloat);
+      out = torch::dropout(out, 0.25, /*train=*/true);
+      return (out - part.y).pow(2).mean();
+    });
+  };
+  torch::manual_seed(100 + r.rank);
+  Net a{nullptr};
+  std::unique_ptr<torch::optim::SGD> oa;
+  auto ta = make(a, oa);
+  for (const auto& b : data) step(*ta, a, b);
+  const auto rng_after_a = at::detail::getDefaultCPUGenerator().get_state();
+
+  torch::manual_seed(100 + r.rank);
+  Net b{nullptr};
+  std::unique_ptr<torch::optim::SGD> ob;
+  auto tb = make(b, ob);
+  for (int k = 0; k < 3; ++k) step(*tb, b, data[k]);
+  tb->save(path);
+  torch::manual_seed(999);  // the resumed run must take its RNG from the checkpoint
+  Net c{nullptr};
+  std::unique_ptr<torch::optim::SGD> oc;
+  tb.reset();
+  auto tc = make(c, oc);
+  tc->load(path);
+  for (int k = 3; k < 6; ++k) step(*tc, c, data[k]);
+
+  const auto pa = a->parameters(), pc = c->parameters();
+  for (std::size_t i = 0; i < pa.size(); ++i) RANK_EXPECT(torch::equal(pa[i], pc[i]), "param " << i);
+  const auto ma = ta->master_weights(), mc = tc->master_weights();
+  for (std::size_t i = 0; i < ma.size(); ++i) RANK_EXPECT(torch::equal(ma[i], mc[i]), "master " << i);
+  const auto sa = ta->stats(), sc = tc->stats();
+  RANK_EXPECT(sa.steps == 6 && sc.steps == 6 && sa.skipped_steps == sc.skipped_steps &&
+                  sa.skipped_steps >= 1 && sa.micro_batches == sc.micro_batches &&
+                  sa.scale == sc.scale,
+              "counters " << sa.steps << " " << sc.steps << " " << sa.skipped_steps << " "
+                          << sc.skipped_steps << " " << sa.scale << " " << sc.scale);
+  // The momentum buffers, tensor by tensor.
+  auto momenta = [](torch::optim::SGD& optimizer) {
+    std::vector<torch::Tensor> result;
+    auto& states = optimizer.state();
+    for (const auto& group : optimizer.param_groups()) {
+      for (const auto& p : group.params()) {
+        // The second group has no momentum, hence no state.
+        const auto it = states.find(mp::detail::state_key<decltype(states)>(p));
+        if (it == states.end()) continue;
+        const auto& state = it->second;
+        result.push_back(static_cast<torch::optim::SGDParamState&>(*state).momentum_buffer());
+      }
+    }
+    return result;
+  };
+  const auto ba = momenta(*oa), bc = momenta(*oc);
+  RANK_EXPECT(ba.size() == bc.size() && ba.size() >= 4, "momentum buffers " << ba.size());
+  for (std::size_t i = 0; i < ba.size() && i < bc.size(); ++i) {
+    RANK_EXPECT(torch::equal(ba[i], bc[i]), "momentum " << i);
+  }
+  // The RNG continues where the uninterrupted run's does (both processes drew the same since).
+  RANK_EXPECT(torch::equal(at::detail::getDefaultCPUGenerator().get_state(), rng_after_a), "RNG");
+}
+
+// A checkpoint that one rank cannot read: every rank throws, and none changes; a checkpoint
+// rank 0 cannot write: every rank throws.
+void case_checkpoint_errors(Rank& r) {
+  auto net = dyadic_net(1);
+  auto optimizer = sgd_for(net);
+  mp::Trainer<mp::MixedO2<at::BFloat16>> trainer(
+      net, *optimizer, mp::TrainerOptions().distributed(mp::DistributedOptions(r.group)));
+  auto gen = at::detail::createCPUGenerator(5);
+  auto step = [&] {
+    Batch b{dyadic({4, 8}, gen), dyadic({4, 4}, gen)};
+    trainer.step([&] { return loss_of(trainer, net, b); });
+  };
+  step();
+  const auto path = r.dir + "/errors.ckpt";
+  trainer.save(path);
+  step();  // the state now differs from the file's
+  const auto params = snapshot(net->parameters());
+  const auto masters = snapshot(trainer.master_weights());
+  const auto steps = trainer.stats().steps;
+  try {
+    trainer.load(r.rank == 1 ? r.dir + "/no-such.ckpt" : path);
+    RANK_EXPECT(false, "no Error when rank 1 cannot load");
+  } catch (const mp::Error& e) {
+    const std::string message = e.what();
+    RANK_EXPECT(message.find(r.rank == 1 ? "no-such.ckpt" : "another rank could not load") !=
+                    std::string::npos,
+                message);
+  }
+  RANK_EXPECT(identical(net->parameters(), params), "parameters changed");
+  RANK_EXPECT(identical(trainer.master_weights(), masters), "masters changed");
+  RANK_EXPECT(trainer.stats().steps == steps, "counters changed");
+  try {
+    trainer.save(r.dir + "/no-such-directory/x.ckpt");
+    RANK_EXPECT(false, "no Error when rank 0 cannot write");
+  } catch (const mp::Error& e) {
+    const std::string message = e.what();
+    RANK_EXPECT(message.find(r.rank == 0 ? "no-such-directory" : "rank 0 could not write") !=
+                    std::string::npos,
+                message);
+  }
+  step();  // and the group goes on
+  trainer.load(path);
+  RANK_EXPECT(trainer.stats().steps == 1, "loaded");
+  RANK_EXPECT(same_on_every_rank(r, net->parameters()), "ranks differ");
+}
+
+// Trains 60 steps, saving every 4, from the last checkpoint if there is one; rank 0 writes the
+// final state. The parent kills a rank of it at random moments and restarts both.
+void case_kill_resume(Rank& r) {
+  const auto root = std::filesystem::path(r.dir).parent_path();
+  const auto checkpoint = (root / "state.ckpt").string();
+  torch::manual_seed(100 + r.rank);
+  auto net = dyadic_net(1000 + r.rank);
+  auto optimizer = sgd_for(net);
+  mp::Trainer<mp::MixedO2<at::BFloat16>> trainer(
+      net, *optimizer, mp::TrainerOptions().distributed(mp::DistributedOptions(r.group)));
+  if (std::filesystem::exists(checkpoint)) trainer.load(checkpoint);
+  std::cerr << "rank " << r.rank << " starts at step " << trainer.stats().steps << "\n";
+  const int total = 60;
+  for (auto k = trainer.stats().steps; k < total; ++k) {
+    auto gen = at::detail::createCPUGenerator(static_cast<std::uint64_t>(10000 + 16 * k + r.rank));
+    Batch b{dyadic({4, 8}, gen), dyadic({4, 4}, gen)};
+    if (k == 7 && r.rank == 1) b.x[0][0] = std::numeric_limits<float>::infinity();
+    trainer.step([&] {
+      auto out = torch::dropout(net->forward(trainer.cast_input(b.x)).to(torch::kFloat), 0.25, true);
+      return (out - b.y).pow(2).mean();
+    });
+    if ((k + 1) % 4 == 0) trainer.save(checkpoint);
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));  // room for the kills
+  }
+  if (r.rank == 0) {
+    auto values = snapshot(net->parameters());
+    for (const auto& m : trainer.master_weights()) values.push_back(m.clone());
+    const auto stats = trainer.stats();
+    values.push_back(torch::tensor({stats.steps, stats.skipped_steps, stats.micro_batches}));
+    values.push_back(at::detail::getDefaultCPUGenerator().get_state());
+    torch::save(values, (root / "final.pt").string());
+  }
+}
+
+// BatchNorm's running statistics follow rank 0's, as DDP's broadcast_buffers does.
+void case_buffers(Rank& r) {
+  torch::manual_seed(1);
+  torch::nn::Sequential net(torch::nn::Linear(8, 8), torch::nn::BatchNorm1d(8), torch::nn::Linear(8, 4));
+  torch::optim::SGD optimizer(net->parameters(), torch::optim::SGDOptions(0.1));
+  mp::Trainer<mp::MixedO2<at::BFloat16>> trainer(
+      net, optimizer, mp::TrainerOptions().distributed(mp::DistributedOptions(r.group)));
+  auto gen = at::detail::createCPUGenerator(20 + r.rank);  // each rank its own data
+  for (int k = 0; k < 3; ++k) {
+    auto x = dyadic({4, 8}, gen);
+    trainer.step([&] { return net->forward(trainer.cast_input(x)).to(torch::kFloat).pow(2).mean(); });
+  }
+  // The ranks' statistics differ now (their data did). The next forward starts from rank 0's:
+  // with the same batch on every rank, they end up identical.
+  std::vector<torch::Tensor> floating;
+  for (const auto& t : net->buffers()) {
+    if (t.is_floating_point()) floating.push_back(t);
+  }
+  RANK_EXPECT(!same_on_every_rank(r, floating), "the ranks' own statistics should differ");
+  auto common = at::detail::createCPUGenerator(99);
+  auto x = dyadic({4, 8}, common);
+  trainer.step([&] { return net->forward(trainer.cast_input(x)).to(torch::kFloat).pow(2).mean(); });
+  RANK_EXPECT(same_on_every_rank(r, net->buffers()), "buffers differ across ranks");
+  RANK_EXPECT(same_on_every_rank(r, net->parameters()), "parameters differ across ranks");
+}
+
+// DDP's buffer semantics with accumulation and evaluation: rank 0's buffers before the first
+// micro-batch of each step only (each rank's own micro-batches then update its copy), and
+// before the first evaluation forward after a step, so that every rank evaluates alike. Replayed
+// by hand on a copy of the model, micro-batch by micro-batch.
+void case_evaluate(Rank& r) {
+  torch::manual_seed(1);
+  torch::nn::Sequential net(torch::nn::Linear(8, 8), torch::nn::BatchNorm1d(8), torch::nn::Linear(8, 4));
+  torch::optim::SGD optimizer(net->parameters(), torch::optim::SGDOptions(0.1));
+  mp::Trainer<mp::MixedO2<at::BFloat16>> trainer(
+      net, optimizer,
+      mp::TrainerOptions().accumulation_steps(2).distributed(mp::DistributedOptions(r.group)));
+  auto gen = at::detail::createCPUGenerator(20 + r.rank);  // each rank its own data
+  for (int k = 0; k < 3; ++k) {
+    const auto x1 = dyadic({4, 8}, gen), x2 = dyadic({4, 8}, gen);
+    auto replica = std::dynamic_pointer_cast<torch::nn::SequentialImpl>(net->clone());
+    {
+      torch::NoGradGuard no_grad;
+      const auto start = rank0_values(r, net->buffers());
+      auto buffers = replica->buffers();
+      for (std::size_t i = 0; i < buffers.size(); ++i) buffers[i].copy_(start[i]);
+      replica->forward(x1.to(at::kBFloat16));
+      replica->forward(x2.to(at::kBFloat16));
+    }
+    for (const auto& x : {x1, x2}) {
+      trainer.step([&] { return net->forward(trainer.cast_input(x)).to(torch::kFloat).pow(2).mean(); });
+    }
+    RANK_EXPECT(identical(net->buffers(), replica->buffers()),
+                "step " << k << ": the buffers are not rank 0's updated by this rank's micro-batches");
+  }
+  std::vector<torch::Tensor> floating;
+  for (const auto& t : net->buffers()) {
+    if (t.is_floating_point()) floating.push_back(t);
+  }
+  RANK_EXPECT(!same_on_every_rank(r, floating), "the ranks' own statistics should differ");
+  const auto expected = rank0_values(r, net->buffers());
+  auto common = at::detail::createCPUGenerator(99);
+  const auto x = dyadic({4, 8}, common);
+  for (int k = 0; k < 2; ++k) {
+    const auto out = trainer.evaluate([&] { return net->forward(trainer.cast_input(x)); });
+    RANK_EXPECT(same_on_every_rank(r, {out}), "evaluate() " << k << ": outputs differ across ranks");
+    RANK_EXPECT(identical(net->buffers(), expected), "evaluate() did not use rank 0's buffers");
+  }
+}
+
+// ---- Against PyTorch's DistributedDataParallel (tests/parity.py ddp_*): the same model,
+// weights and per-rank data, trained with accumulation by Trainer<P> here and by DDP (no_sync
+// on the first micro-batch) in Python, 2 Gloo ranks each; then two evaluation forwards. Each
+// side writes one line per step (parameters then buffers, flattened) and one per evaluation
+// output, per rank.
+constexpr int kDdpSteps = 3;
+constexpr int kDdpMicroBatches = 2;
+constexpr int kZeroReferenceSteps = 20;
+constexpr double kZeroLr = 0.01;
+constexpr double kZeroWeightDecay = 0.01;
+
+// zero: a ReLU in BatchNorm's place. A bias before BatchNorm has a gradient of 0 up to
+// rounding noise, which AdamW (dividing by sqrt(v)) turns into steps of lr in directions that
+// differ between two correct implementations.
+torch::nn::Sequential ddp_reference_model(bool zero = false) {
+  torch::manual_seed(1);
+  if (zero) {
+    return torch::nn::Sequential(torch::nn::Linear(8, 8), torch::nn::ReLU(),
+                                 torch::nn::Linear(8, 4));
+  }
+  return torch::nn::Sequential(torch::nn::Linear(8, 8), torch::nn::BatchNorm1d(8),
+                               torch::nn::Linear(8, 4));
+}
+
+// Each rank its own data, so that the ranks' BatchNorm statistics differ.
+torch::Tensor ddp_reference_batch(int rank, int step, int micro) {
+  auto gen = at::detail::createCPUGenerator(static_cast<std::uint64_t>(1000 + 100 * rank + 10 * step + micro));
+  return torch::randn({4, 8}, gen) * 2 + 0.5;
+}
+
+torch::Tensor ddp_reference_eval_batch() {
+  auto gen = at::detail::createCPUGenerator(999);
+  return torch::randn({4, 8}, gen);
+}
+
+void write_line(std::ostream& out, const std::vector<torch::Tensor>& tensors) {
+  out.precision(17);
+  bool first = true;
+  for (const auto& t : tensors) {
+    const auto flat = t.detach().to(torch::kDouble).reshape({-1}).contiguous();
+    const auto* v = flat.data_ptr<double>();
+    for (std::int64_t i = 0; i < flat.numel(); ++i) {
+      out << (first ? "" : " ") << v[i];
+      first = false;
+    }
+  }
+  out << "\n";
+}
+
+// zero: ZeroRedundancyOptimizer(AdamW) in Python, shard_optimizer_state here; each step's line
+// starts with the step's loss (the mean of its micro-batches' losses on this rank).
+template <class P, bool zero = false>
+void case_ddp_reference(Rank& r) {
+  torch::set_num_threads(1);  // as the Python side: one reduction order
+  auto net = ddp_reference_model(zero);
+  std::unique_ptr<torch::optim::Optimizer> optimizer;
+  if (zero) {
+    optimizer = std::make_unique<torch::optim::AdamW>(
+        net->parameters(), torch::optim::AdamWOptions(kZeroLr).weight_decay(kZeroWeightDecay));
+  } else {
+    optimizer = std::make_unique<torch::optim::SGD>(net->parameters(),
+                                                    torch::optim::SGDOptions(0.1).momentum(0.9));
+  }
+  mp::Trainer<P> trainer(net, *optimizer,
+                         mp::TrainerOptions().accumulation_steps(kDdpMicroBatches).distributed(
+                             mp::DistributedOptions(r.group).shard_optimizer_state(zero)));
+  std::ofstream out(r.dir + "/cpp.rank" + std::to_string(r.rank) + ".txt");
+  auto state = [&](double loss) {
+    auto tensors = net->parameters();
+    for (const auto& b : net->buffers()) tensors.push_back(b);
+    if (zero) tensors.insert(tensors.begin(), torch::tensor({loss}, torch::kDouble));
+    return tensors;
+  };
+  for (int k = 0; k < (zero ? kZeroReferenceSteps : kDdpSteps); ++k) {
+    double loss = 0;
+    for (int j = 0; j < kDdpMicroBatches; ++j) {
+      const auto x = ddp_reference_batch(r.rank, k, j);
+      const mp::StepReport report = trainer.step(
+          [&] { return net->forward(trainer.cast_input(x)).to(torch::kFloat).pow(2).mean(); });
+      loss += report.loss.item<double>() / kDdpMicroBatches;
+    }
+    write_line(out, state(loss));
+  }
+  const auto x = ddp_reference_eval_batch();
+  for (int e = 0; e < 2; ++e) {
+    write_line(out, {trainer.evaluate([&] { return net->forward(trainer.cast_input(x)); })});
+  }
+}
+
+// A precision map under data parallel: a Mappable module kept fp32 inside a MixedO2<BFloat16>
+// model (its parameters are their own fp32 masters, averaged with the others) against one
+// process on the whole batch; the ranks start from different values (the construction
+// broadcasts rank 0's).
+void case_mapped(Rank& r) {
+  const auto make = [](std::uint64_t seed) {
+    torch::manual_seed(seed);
+    torch::nn::Sequential net(torch::nn::Linear(8, 16), torch::nn::ReLU(),
+                              mp::nn::Mappable<torch::nn::Linear>(16, 16), torch::nn::ReLU(),
+                              torch::nn::Linear(16, 4));
+    mp::apply_precision_map<mp::MixedO2<at::BFloat16>>(net, mp::PrecisionMap().keep_fp32("2"));
+    return net;
+  };
+  auto gen = at::detail::createCPUGenerator(7);
+  std::vector<std::pair<torch::Tensor, torch::Tensor>> data;
+  for (int k = 0; k < 4; ++k) {
+    data.emplace_back(dyadic({4 * r.world, 8}, gen), dyadic({4 * r.world, 4}, gen));
+  }
+  const auto train = [&](torch::nn::Sequential net, mp::TrainerOptions options, std::int64_t from,
+                         std::int64_t rows) {
+    torch::optim::SGD optimizer(net->parameters(), torch::optim::SGDOptions(0.1));
+    mp::Trainer<mp::MixedO2<at::BFloat16>> trainer(net, optimizer, options);
+    for (const auto& [x, y] : data) {
+      trainer.step([&, &x = x, &y = y] {
+        const auto out = net->forward(trainer.cast_input(x.narrow(0, from, rows)));
+        return torch::mse_loss(out.to(torch::kFloat), y.narrow(0, from, rows));
+      });
+    }
+    return net;
+  };
+  const auto single = train(make(1000), mp::TrainerOptions(), 0, 4 * r.world);
+  const auto dist = train(make(1000 + r.rank),
+                          mp::TrainerOptions().distributed(mp::DistributedOptions(r.group)),
+                          4 * r.rank, 4);
+  RANK_EXPECT(dist->named_parameters()["2.weight"].scalar_type() == torch::kFloat, "");
+  RANK_EXPECT(dist->named_parameters()["0.weight"].scalar_type() == torch::kBFloat16, "");
+  RANK_EXPECT(same_on_every_rank(r, dist->parameters()), "parameters differ across ranks");
+  double largest = 0.0, scale = 0.0;
+  const auto a = dist->parameters(), b = single->parameters();
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    largest = std::max(largest, (a[i].to(torch::kDouble) - b[i].to(torch::kDouble)).abs().max().item<double>());
+    scale = std::max(scale, b[i].to(torch::kDouble).abs().max().item<double>());
+  }
+  std::cerr << "rank " << r.rank << " mapped MixedO2<BFloat16> x" << r.world
+            << ": max relative difference to one process " << largest / scale << "\n";
+  RANK_EXPECT(largest / scale <= 0.01, largest / scale);  // bf16 rounding: measured 0.0028
+}
+
+
+// ---- Sharded optimizer state (DistributedOptions::shard_optimizer_state)
+
+enum class Opt { adamw, sgd };
+
+// Over the whole model, as users build it: the tied weight listed twice, the frozen layer in
+// the optimizer with no gradient ever, the unused branch `extra`; two param groups.
+// `late`: the second group (the hidden layer) is left out, for add_second_group() to add.
+std::vector<torch::Tensor> hidden_of(Net& net, bool hidden) {
+  std::vector<torch::Tensor> result;
+  for (const auto& item : net->named_parameters()) {
+    if ((item.key().rfind("hidden", 0) == 0) == hidden) result.push_back(item.value());
+  }
+  return result;
+}
+
+torch::optim::OptimizerParamGroup second_group(Net& net, Opt kind) {
+  if (kind == Opt::adamw) {
+    return {hidden_of(net, true), std::make_unique<torch::optim::AdamWOptions>(
+                                      torch::optim::AdamWOptions(1.0 / 64).weight_decay(0.125))};
+  }
+  return {hidden_of(net, true), std::make_unique<torch::optim::SGDOptions>(1.0 / 32)};
+}
+
+std::unique_ptr<torch::optim::Optimizer> optimizer_for(Net& net, Opt kind, bool late = false) {
+  std::vector<torch::optim::OptimizerParamGroup> groups;
+  groups.emplace_back(hidden_of(net, false));
+  if (!late) groups.push_back(second_group(net, kind));
+  if (kind == Opt::adamw) {
+    return std::make_unique<torch::optim::AdamW>(
+        groups, torch::optim::AdamWOptions(1.0 / 32).weight_decay(0.0625));
+  }
+  return std::make_unique<torch::optim::SGD>(groups,
+                                             torch::optim::SGDOptions(1.0 / 16).momentum(0.5));
+}
+
+struct ZeroRun {
+  std::vector<mp::StepStatus> statuses;
+  std::vector<std::vector<torch::Tensor>> params;  // the model's, after each step
+  std::vector<torch::Tensor> fp32;                 // fp32_state_dict() at the end (the masters)
+};
+
+// Small buckets, so that tensors straddle the ranks' slices and buckets split unevenly.
+mp::DistributedOptions zero_options(Rank& r, bool sharded) {
+  return mp::DistributedOptions(r.group).shard_optimizer_state(sharded).first_bucket_cap_mb(
+      0.0005).bucket_cap_mb(0.002);
+}
+
+// `late`: the hidden layer's param group is added before step 2 (progressive unfreezing).
+template <class P>
+ZeroRun train_zero(Rank& r, bool sharded, Opt kind, int accumulation, std::optional<double> clip,
+                   const std::vector<Batch>& data, std::int64_t per_rank, bool late) {
+  auto net = dyadic_net(1000 + r.rank, /*extra=*/true);  // rank 0's values reach every rank
+  auto optimizer = optimizer_for(net, kind, late);
+  auto options = options_for<P>(accumulation).distributed(zero_options(r, sharded));
+  if (clip) options.max_grad_norm(*clip);
+  mp::Trainer<P> trainer(net, *optimizer, options);
+  ZeroRun run;
+  const auto micro = per_rank / accumulation;
+  for (const auto& batch : data) {
+    if (late && run.params.size() == 2) optimizer->add_param_group(second_group(net, kind));
+    mp::StepReport report;
+    for (int m = 0; m < accumulation; ++m) {
+      const auto from = r.rank * per_rank + m * micro;
+      Batch part{batch.x.narrow(0, from, micro), batch.y.narrow(0, from, micro)};
+      report = trainer.step([&] { return loss_of(trainer, net, part); });
+    }
+    run.statuses.push_back(report.status);
+    run.params.push_back(snapshot(net->parameters()));
+  }
+  for (const auto& item : trainer.fp32_state_dict()) run.fp32.push_back(item.value());
+  return run;
+}
+
+double max_relative(const std::vector<torch::Tensor>& a, const std::vector<torch::Tensor>& b) {
+  double worst = 0;
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    const auto x = a[i].to(torch::kDouble), y = b[i].to(torch::kDouble);
+    worst = std::max(worst, ((x - y).abs() / (y.abs() + 1.0 / 64)).max().item<double>());
+  }
+  return worst;
+}
+
+// A sharded run against the unsharded data-parallel run on the same ranks, data and weights;
+// one input of the last rank is inf at step 3 (every rank skips it).
+template <class P>
+void zero_equivalence(Rank& r, Opt kind, int accumulation, std::optional<double> clip,
+                      double tolerance, bool late = false) {
+  const std::int64_t per_rank = 4 * accumulation;
+  const auto data = batches(6, per_rank * r.world, /*inf_step=*/3);
+  const auto plain = train_zero<P>(r, false, kind, accumulation, clip, data, per_rank, late);
+  const auto sharded = train_zero<P>(r, true, kind, accumulation, clip, data, per_rank, late);
+  const auto name = std::string(P::name) + (kind == Opt::adamw ? " AdamW" : " SGD") +
+                    " accumulation " + std::to_string(accumulation) +
+                    (clip ? " clip " + std::to_string(*clip) : std::string()) +
+                    (late ? " late param group" : "");
+  RANK_EXPECT(sharded.statuses == plain.statuses, name);
+  RANK_EXPECT(sharded.statuses[3] == mp::StepStatus::skipped, name);
+  double params = 0;
+  std::size_t exact = 0;
+  bool equal_so_far = true;
+  for (std::size_t k = 0; k < plain.params.size(); ++k) {
+    params = std::max(params, max_relative(sharded.params[k], plain.params[k]));
+    equal_so_far = equal_so_far && identical(sharded.params[k], plain.params[k]);
+    exact += equal_so_far ? 1 : 0;
+  }
+  const double masters = max_relative(sharded.fp32, plain.fp32);
+  std::cerr << "rank " << r.rank << " x" << r.world << " " << name << ": sharded vs unsharded, "
+            << "max relative difference " << params << " in the parameters, " << masters
+            << " in the fp32 weights; " << exact << " of 6 steps bitwise equal (tolerance "
+            << tolerance << ")\n";
+  RANK_EXPECT(params <= tolerance && masters <= tolerance, name);
+  RANK_EXPECT(same_on_every_rank(r, sharded.params.back()), name << ": ranks differ");
+  RANK_EXPECT(same_on_every_rank(r, sharded.fp32), name << ": fp32 weights differ across ranks");
+}
+
+void case_zero_equivalence(Rank& r) {
+  // The gradients are the same allreduce's sums in both runs, sliced differently; over 2 ranks
+  // a + b is exact either way. Over 3 ranks the sums can be grouped differently, and clipping
+  // sums the squares shard by shard: fp32 rounding, 1e-6 relative. The low-precision
+  // parameters are the masters rounded to bf16/fp16: a rounding that flips is 2^-8 relative.
+  for (const auto kind : {Opt::adamw, Opt::sgd}) {
+    zero_equivalence<mp::FullPrecision>(r, kind, 1, std::nullopt, 1e-6);
+    zero_equivalence<mp::FullPrecision>(r, kind, 2, 0.5, 1e-6);
+    zero_equivalence<mp::MixedO2<at::BFloat16>>(r, kind, 1, std::nullopt, 1.0 / 128);
+    zero_equivalence<mp::MixedO2<at::BFloat16>>(r, kind, 2, 0.5, 1.0 / 128);
+    zero_equivalence<mp::MixedO1<at::BFloat16>>(r, kind, 1, 0.5, 1e-6);
+    if constexpr (mp::cpu_half_math) {
+      zero_equivalence<mp::MixedO2<at::Half>>(r, kind, 2, 0.5, 1.0 / 128);
+    }
+  }
+  zero_equivalence<mp::FullPrecision>(r, Opt::adamw, 2, 0.5, 1e-6, /*late=*/true);
+  zero_equivalence<mp::MixedO2<at::BFloat16>>(r, Opt::adamw, 1, 0.5, 1.0 / 128, /*late=*/true);
+}
+
+// The optimizer state really is sharded: each rank holds its slices' state, about 1/world of
+// it, and the masters are pieces, not whole tensors.
+void case_zero_memory(Rank& r) {
+  auto net = dyadic_net(1, /*extra=*/true);
+  auto optimizer = optimizer_for(net, Opt::adamw);
+  mp::Trainer<mp::MixedO2<at::BFloat16>> trainer(
+      net, *optimizer, mp::TrainerOptions().distributed(zero_options(r, true)));
+  auto gen = at::detail::createCPUGenerator(3);
+  Batch b{dyadic({4, 8}, gen), dyadic({4, 4}, gen)};
+  trainer.step([&] { return loss_of(trainer, net, b); });
+  std::int64_t total = 0, held = 0, state = 0;
+  for (const auto& p : mp::detail::unique_tensors(net->parameters())) total += p.numel();
+  for (const auto& group : optimizer->param_groups()) {
+    for (const auto& p : group.params()) {
+      RANK_EXPECT(p.dim() == 1 && p.scalar_type() == torch::kFloat, "a piece is not 1-D fp32");
+      held += p.numel();
+      if (auto* s = mp::detail::state_of(*optimizer, p)) {
+        state += static_cast<torch::optim::AdamWParamState&>(*s).exp_avg().numel();
+      }
+    }
+  }
+  std::cerr << "rank " << r.rank << " holds " << held << " of " << total << " elements, "
+            << state << " with state\n";
+  // Each bucket is padded to a multiple of the world size: at most world - 1 elements each.
+  RANK_EXPECT(held <= total / r.world + 8 * r.world, held << " of " << total);
+  RANK_EXPECT(held >= total / r.world - 8 * r.world, held << " of " << total);
+  RANK_EXPECT(trainer.master_weights().empty(), "masters exist whole");
+  // Together the ranks hold every element once (Adam's state: of those that had a gradient).
+  // The frozen layer and the unused branch never had a gradient: no state.
+  std::int64_t trained = 0;
+  for (const auto& item : net->named_parameters()) {
+    const bool tied = item.key().rfind("hidden_tied", 0) == 0;
+    if (item.value().requires_grad() && item.key().rfind("extra", 0) != 0 && !tied) {
+      trained += item.value().numel();
+    }
+  }
+  std::vector<torch::Tensor> sums{torch::tensor({held, state}, torch::kLong)};
+  r.group->allreduce(sums)->wait();
+  const auto sum_held = sums[0][0].item<std::int64_t>(), sum_state = sums[0][1].item<std::int64_t>();
+  RANK_EXPECT(sum_held == total, sum_held << " of " << total);
+  RANK_EXPECT(sum_state == trained, sum_state << " with state, " << trained << " trained");
+}
+
+// Rank world-1 dies before its step 3; the others throw mixprec::Error in their step 3, and
+// their model and optimizer state are those after step 2.
+void case_zero_kill(Rank& r) {
+  auto net = dyadic_net(1);
+  auto optimizer = optimizer_for(net, Opt::adamw);
+  mp::Trainer<mp::MixedO2<at::BFloat16>> trainer(
+      net, *optimizer, mp::TrainerOptions().distributed(zero_options(r, true)));
+  auto gen = at::detail::createCPUGenerator(5);
+  std::vector<torch::Tensor> params, pieces, moments;
+  const auto capture = [&] {
+    params = snapshot(net->parameters());
+    pieces.clear();
+    moments.clear();
+    for (const auto& group : optimizer->param_groups()) {
+      for (const auto& p : group.params()) {
+        pieces.push_back(p.detach().clone());
+        if (auto* s = mp::detail::state_of(*optimizer, p)) {
+          moments.push_back(static_cast<torch::optim::AdamWParamState&>(*s).exp_avg_sq().clone());
+        }
+      }
+    }
+  };
+  try {
+    for (int k = 0; k < 100; ++k) {
+      if (k == 3 && r.rank == r.world - 1) std::raise(SIGKILL);
+      capture();
+      Batch b{dyadic({4, 8}, gen), dyadic({4, 4}, gen)};
+      trainer.step([&] { return loss_of(trainer, net, b); });
+    }
+    RANK_EXPECT(false, "no Error after a peer died");
+  } catch (const mp::Error& e) {
+    std::cerr << "rank " << r.rank << ": " << e.what() << "\n";
+    RANK_EXPECT(std::string(e.what()).find("across ranks failed") != std::string::npos, e.what());
+    RANK_EXPECT(identical(net->parameters(), params), "the model changed");
+    std::vector<torch::Tensor> now, now_moments;
+    for (const auto& group : optimizer->param_groups()) {
+      for (const auto& p : group.params()) {
+        now.push_back(p.detach());
+        if (auto* s = mp::detail::state_of(*optimizer, p)) {
+          now_moments.push_back(static_cast<torch::optim::AdamWParamState&>(*s).exp_avg_sq());
+        }
+      }
+    }
+    RANK_EXPECT(!moments.empty() && identical(now, pieces) && identical(now_moments, moments),
+                "the optimizer's pieces or state changed");
+  }
+}
+
+// Checkpoints across world sizes: the run of `zero_save` (2 ranks) saves after step 3 and goes
+// on to step 6; `zero_resume` at any world size loads that checkpoint and trains steps 3..5 on
+// the same global batches. Each writes its final fp32 weights (rank 0) for the parent to compare.
+constexpr int kZeroSteps = 6;
+constexpr std::int64_t kZeroRows = 12;  // per global batch: 12 / world rows per rank (1, 2, 3, 4)
+
+using ZeroPolicy = mp::MixedO2<at::BFloat16>;
+
+void zero_train(Rank& r, bool sharded, int from, int to, const std::string& load,
+                const std::string& save_at_3, const std::string& out,
+                const std::string& resave = "") {
+  auto net = dyadic_net(1000 + r.rank, /*extra=*/true);
+  auto optimizer = optimizer_for(net, Opt::adamw);
+  auto options = mp::TrainerOptions().max_grad_norm(0.5).distributed(zero_options(r, sharded));
+  mp::Trainer<ZeroPolicy> trainer(net, *optimizer, options);
+  if (!load.empty()) trainer.load(load);
+  RANK_EXPECT(trainer.stats().steps == from, "resumed at " << trainer.stats().steps);
+  if (!resave.empty()) trainer.save(resave);  // what this world size holds of the checkpoint
+  const auto data = batches(kZeroSteps, kZeroRows, /*inf_step=*/4);
+  const auto rows = kZeroRows / r.world;
+  for (int k = from; k < to; ++k) {
+    Batch part{data[static_cast<std::size_t>(k)].x.narrow(0, r.rank * rows, rows),
+               data[static_cast<std::size_t>(k)].y.narrow(0, r.rank * rows, rows)};
+    trainer.step([&] { return loss_of(trainer, net, part); });
+    if (k + 1 == 3 && !save_at_3.empty()) trainer.save(save_at_3);
+  }
+  auto values = snapshot(net->parameters());
+  for (const auto& item : trainer.fp32_state_dict()) values.push_back(item.value());
+  const auto stats = trainer.stats();
+  values.push_back(torch::tensor({stats.steps, stats.skipped_steps}));
+  RANK_EXPECT(same_on_every_rank(r, values), "ranks differ");
+  if (r.rank == 0) torch::save(values, out);
+}
+
+// argv-free configuration of the checkpoint cases: the shared directory's parent holds them.
+void case_zero_save(Rank& r) {
+  const auto root = std::filesystem::path(r.dir).parent_path();
+  zero_train(r, true, 0, kZeroSteps, "", (root / "sharded2.ckpt").string(),
+             (root / "uninterrupted_sharded.pt").string());
+}
+void case_zero_save_plain(Rank& r) {
+  const auto root = std::filesystem::path(r.dir).parent_path();
+  zero_train(r, false, 0, kZeroSteps, "", (root / "plain2.ckpt").string(),
+             (root / "uninterrupted_plain.pt").string());
+}
+void case_zero_resume(Rank& r) {
+  const auto root = std::filesystem::path(r.dir).parent_path();
+  zero_train(r, true, 3, kZeroSteps, (root / "sharded2.ckpt").string(), "",
+             (root / ("resumed_sharded_x" + std::to_string(r.world) + ".pt")).string(),
+             (root / ("resaved_sharded_x" + std::to_string(r.world) + ".ckpt")).string());
+}
+void case_zero_resume_plain(Rank& r) {  // an unsharded checkpoint, resumed sharded
+  const auto root = std::filesystem::path(r.dir).parent_path();
+  zero_train(r, true, 3, kZeroSteps, (root / "plain2.ckpt").string(), "",
+             (root / ("resumed_plain_x" + std::to_string(r.world) + ".pt")).string());
+}
+void case_zero_resume_unsharded(Rank& r) {  // a sharded checkpoint, resumed unsharded
+  const auto root = std::filesystem::path(r.dir).parent_path();
+  zero_train(r, false, 3, kZeroSteps, (root / "sharded2.ckpt").string(), "",
+             (root / ("resumed_unsharded_x" + std::to_string(r.world) + ".pt")).string(),
+             (root / ("resaved_unsharded_x" + std::to_string(r.world) + ".ckpt")).string());
+}
+
+// A checkpoint one rank cannot read, or one of another model: an Error on every rank, and
+// nothing changes (the pieces, their state, the model).
+void case_zero_checkpoint_errors(Rank& r) {
+  auto net = dyadic_net(1, /*extra=*/true);
+  auto optimizer = optimizer_for(net, Opt::adamw);
+  mp::Trainer<ZeroPolicy> trainer(net, *optimizer,
+                                  mp::TrainerOptions().distributed(zero_options(r, true)));
+  auto gen = at::detail::createCPUGenerator(5);
+  auto step = [&] {
+    Batch b{dyadic({4, 8}, gen), dyadic({4, 4}, gen)};
+    trainer.step([&] { return loss_of(trainer, net, b); });
+  };
+  step();
+  const auto path = r.dir + "/errors.ckpt";
+  trainer.save(path);
+  {  // another model: the same layers without the unused branch
+    auto other = dyadic_net(1);
+    auto other_optimizer = optimizer_for(other, Opt::adamw);
+    mp::Trainer<ZeroPolicy> writer(other, *other_optimizer,
+                                   mp::TrainerOptions().distributed(zero_options(r, true)));
+    writer.save(r.dir + "/other.ckpt");
+  }
+  step();
+  const auto params = snapshot(net->parameters());
+  std::vector<torch::Tensor> pieces;
+  for (const auto& p : optimizer->param_groups()[0].params()) pieces.push_back(p.detach().clone());
+  const auto fp32 = trainer.fp32_state_dict();
+  for (const auto& bad : {std::string("/no-such.ckpt"), std::string("/other.ckpt")}) {
+    try {
+      trainer.load(r.rank == 1 || bad == "/other.ckpt" ? r.dir + bad : path);
+      RANK_EXPECT(false, "no Error for " << bad);
+    } catch (const mp::Error& e) {
+      const std::string message = e.what();
+      std::cerr << "rank " << r.rank << ": " << message << "\n";
+      const auto expected = bad == "/other.ckpt" ? "lacks 'model.extra.weight'"
+                            : r.rank == 1    ? "no-such.ckpt"
+                                             : "another rank could not load";
+      RANK_EXPECT(message.find(expected) != std::string::npos, message);
+    }
+    RANK_EXPECT(identical(net->parameters(), params), "parameters changed");
+    std::vector<torch::Tensor> now;
+    for (const auto& p : optimizer->param_groups()[0].params()) now.push_back(p.detach());
+    RANK_EXPECT(identical(now, pieces), "pieces changed");
+    std::vector<torch::Tensor> a, b;
+    for (const auto& item : trainer.fp32_state_dict()) a.push_back(item.value());
+    for (const auto& item : fp32) b.push_back(item.value());
+    RANK_EXPECT(identical(a, b), "fp32 weights changed");
+  }
+  trainer.load(path);
+  RANK_EXPECT(trainer.stats().steps == 1, "loaded");
+  step();
+  RANK_EXPECT(same_on_every_rank(r, net->parameters()), "ranks differ");
+}
+
+const std::map<std::string, std::function<void(Rank&)>>& rank_cases() {
+  static const std::map<std::string, std::function<void(Rank&)>> cases{
+      {"equivalence", [](Rank& x) { case_equivalence(x, 1); }},
+      {"accumulation", [](Rank& x) { case_equivalence(x, 2); }},
+      {"local_nan", case_local_nan},
+      {"overflow", case_overflow},
+      {"unused", case_unused},
+      {"mismatch", case_mismatch},
+      {"frozen_mismatch", case_frozen_mismatch},
+      {"diverged", case_diverged},
+      {"grow", case_grow},
+      {"kill", case_kill},
+      {"resume", case_resume},
+      {"checkpoint_errors", case_checkpoint_errors},
+      {"kill_resume", case_kill_resume},
+      {"buffers", case_buffers},
+      {"evaluate", case_evaluate},
+      {"mapped", case_mapped},
+      {"ddp_reference_fp32", case_ddp_reference<mp::FullPrecision>},
+      {"ddp_reference_bf16", case_ddp_reference<mp::MixedO1<at::BFloat16>>},
+      {"zero_reference", case_ddp_reference<mp::FullPrecision, /*zero=*/true>},
+      {"zero_equivalence", case_zero_equivalence},
+      {"zero_netns", case_zero_equivalence},  // tests/netns_test.sh, one rank per namespace
+      {"zero_memory", case_zero_memory},
+      {"zero_kill", case_zero_kill},
+      {"zero_save", case_zero_save},
+      {"zero_save_plain", case_zero_save_plain},
+      {"zero_resume", case_zero_resume},
+      {"zero_resume_plain", case_zero_resume_plain},
+      {"zero_resume_unsharded", case_zero_resume_unsharded},
+      {"zero_checkpoint_errors", case_zero_checkpoint_errors},
+  };
+  return cases;
+}
+
+int run_case(const std::string& name, Rank& r, const std::function<void(Rank&)>& connect) {
+  try {
+    connect(r);
+    rank_cases().at(name)(r);
+  } catch (const std::exception& e) {
+    std::cerr << "rank " << r.rank << ": unexpected exception: " << e.what() << "\n";
+    return 2;
+  }
+  if (failures == 0) std::cerr << "rank " << r.rank << ": case " << name << " passed\n";
+  return failures == 0 ? 0 : 1;
+}
+
+// A rank of this binary started by the parent, over a FileStore in `dir`.
+int run_rank(const std::string& name, int rank, int world, const std::string& dir) {
+  Rank r{rank, world, dir, {}};
+  return run_case(name, r, [&](Rank& x) {
+    auto store = c10::make_intrusive<c10d::FileStore>(dir + "/store", world);
+    // The rendezvous too must give up on a peer killed before it arrived.
+    store->setTimeout(std::chrono::seconds(30));
+    x.group = mp::gloo_group(store, rank, world, std::chrono::seconds(30));
+  });
+}
+
+// A rank started by a launcher (torchrun, scripts/launch, tests/netns_test.sh): the group from
+// RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT (and GLOO_SOCKET_IFNAME) over TCP.
+int run_launched(const std::string& name, const std::string& dir) {
+  const auto env = mp::LaunchEnvironment::from_env();
+  Rank r{env.rank, env.world_size, dir, {}};
+  return run_case(name, r, [&](Rank& x) { x.group = mp::gloo_group(env, std::chrono::seconds(60)); });
+}
+
+// ---------------------------------------------------------------- in the parent
+
+std::string self_path;
+
+struct Outcome {
+  int status = -1;  // waitpid status; -1: killed by the parent at the deadline
+  bool hung = false;
+  bool killed = false;  // by a Kill
+  std::string log;
+};
+
+// Starts `world` ranks of case `name`; kills them all at the deadline.
+// A rank to SIGKILL, and when: `after` the line `marker` appears in its log.
+struct Kill {
+  int rank;
+  std::chrono::milliseconds after;
+  std::string marker = "starts at step";
+};
+
+std::filesystem::path fresh_dir(const std::string& name) {
+  static int counter = 0;
+  const auto dir = std::filesystem::path(MIXPREC_TEST_TMPDIR) /
+                   ("distributed_" + name + "_" + std::to_string(::getpid()) + "_" +
+                    std::to_string(counter++));
+  std::filesystem::remove_all(dir);
+  return dir;
+}
+
+std::vector<Outcome> run_ranks(const std::string& name, int world,
+                               std::chrono::seconds deadline = std::chrono::seconds(240),
+                               std::filesystem::path dir = {}, std::optional<Kill> kill = {}) {
+  if (dir.empty()) dir = fresh_dir(name);
+  std::filesystem::create_directories(dir);
+  std::vector<pid_t> pids;
+  for (int rank = 0; rank < world; ++rank) {
+    const auto log = (dir / ("rank" + std::to_string(rank) + ".log")).string();
+    posix_spawn_file_actions_t actions;
+    posix_spawn_file_actions_init(&actions);
+    posix_spawn_file_actions_addopen(&actions, 2, log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    posix_spawn_file_actions_adddup2(&actions, 2, 1);
+    std::vector<std::string> args{self_path, "--rank-of", name, std::to_string(rank),
+                                  std::to_string(world), dir.string()};
+    std::vector<char*> argv;
+    for (auto& a : args) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    pid_t pid = 0;
+    REQUIRE(posix_spawn(&pid, self_path.c_str(), &actions, nullptr, argv.data(), environ) == 0);
+    posix_spawn_file_actions_destroy(&actions);
+    pids.push_back(pid);
+  }
+  std::vector<Outcome> outcomes(static_cast<std::size_t>(world));
+  const auto end = std::chrono::steady_clock::now() + deadline;
+  std::optional<std::chrono::steady_clock::time_point> kill_at;
+  std::size_t left = pids.size();
+  while (left > 0) {
+    if (kill && !kill_at) {  // the clock starts when the victim has begun to train
+      std::ifstream in(dir / ("rank" + std::to_string(kill->rank) + ".log"));
+      std::stringstream text;
+      text << in.rdbuf();
+      if (text.str().find(kill->marker) != std::string::npos) {
+        kill_at = std::chrono::steady_clock::now() + kill->after;
+      }
+    }
+    if (kill && kill_at && std::chrono::steady_clock::now() >= *kill_at) {
+      const auto victim = static_cast<std::size_t>(kill->rank);
+      if (pids[victim] != 0) {
+        ::kill(pids[victim], SIGKILL);
+        outcomes[victim].killed = true;
+      }
+      kill.reset();
+    }
+    for (std::size_t i = 0; i < pids.size(); ++i) {
+      if (pids[i] == 0) continue;
+      int status = 0;
+      if (::waitpid(pids[i], &status, WNOHANG) == pids[i]) {
+        outcomes[i].status = status;
+        pids[i] = 0;
+        --left;
+      }
+    }
+    if (left > 0 && std::chrono::steady_clock::now() > end) {
+      for (std::size_t i = 0; i < pids.size(); ++i) {
+        if (pids[i] == 0) continue;
+        ::kill(pids[i], SIGKILL);
+        ::waitpid(pids[i], nullptr, 0);
+        outcomes[i].hung = true;
+        pids[i] = 0;
+      }
+      left = 0;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  for (int rank = 0; rank < world; ++rank) {
+    std::ifstream in(dir / ("rank" + std::to_string(rank) + ".log"));
+    std::stringstream text;
+    text << in.rdbuf();
+    outcomes[static_cast<std::size_t>(rank)].log = text.str();
+  }
+  return outcomes;
+}
+
+// How a rank ended, for the failure message: "exit 0", "signal 13 (Broken pipe)", ...
+std::string ending(const Outcome& o) {
+  if (o.hung) return "killed at the deadline";
+  if (o.status == -1) return "never collected";
+  if (WIFEXITED(o.status)) return "exit " + std::to_string(WEXITSTATUS(o.status));
+  if (WIFSIGNALED(o.status)) {
+    return "signal " + std::to_string(WTERMSIG(o.status)) + " (" + strsignal(WTERMSIG(o.status)) +
+           ")";
+  }
+  return "status " + std::to_string(o.status);
+}
+
+void require_all_passed(const std::vector<Outcome>& outcomes) {
+  for (std::size_t r = 0; r < outcomes.size(); ++r) {
+    INFO("rank ", r, ": ", ending(outcomes[r]), "; log:\n", outcomes[r].log);
+    CHECK_FALSE(outcomes[r].hung);
+    CHECK((WIFEXITED(outcomes[r].status) && WEXITSTATUS(outcomes[r].status) == 0));
+  }
+}
+
+// Case `name` on 2 ranks, then on 3 (whose slices of the buckets split unevenly).
+void require_passed_on_2_and_3(const std::string& name) {
+  for (int world : {2, 3}) {
+    CAPTURE(world);
+    require_all_passed(run_ranks(name, world));
+  }
+}
+
+// The last rank was SIGKILLed; the others ended cleanly (each checked its Error) and in time.
+void require_survivors_passed(const std::vector<Outcome>& outcomes) {
+  for (std::size_t r = 0; r + 1 < outcomes.size(); ++r) {
+    INFO("rank ", r, ": ", ending(outcomes[r]), "; log:\n", outcomes[r].log);
+    CHECK_FALSE(outcomes[r].hung);
+    CHECK((WIFEXITED(outcomes[r].status) && WEXITSTATUS(outcomes[r].status) == 0));
+  }
+  INFO("the victim: ", ending(outcomes.back()));
+  CHECK((WIFSIGNALED(outcomes.back().status) && WTERMSIG(outcomes.back().status) == SIGKILL));
+}
+
+}  // namespace
+
+TEST_CASE("distributed: N ranks x batch B train as 1 process x batch N*B, for every policy") {
+  require_passed_on_2_and_3("equivalence");
+}
+
+TEST_CASE("distributed: with accumulation, gradients travel on the last micro-batch only") {
+  require_all_passed(run_ranks("accumulation", 2));
+}
+
+TEST_CASE("distributed: a NaN loss on one rank skips the step on every rank") {
+  require_all_passed(run_ranks("local_nan", 2));
+}
+
+TEST_CASE("distributed: overflow on some ranks only: every rank skips, the scales stay identical") {
+  require_all_passed(run_ranks("overflow", 3));
+}
+
+TEST_CASE("distributed: a parameter unused on some ranks is reduced as zeros, unused everywhere it is untouched") {
+  require_all_passed(run_ranks("unused", 3));
+}
+
+TEST_CASE("distributed: models that differ across ranks are an Error on every rank") {
+  require_all_passed(run_ranks("mismatch", 2));
+}
+
+TEST_CASE("distributed: ranks that froze different tensors of the same shapes: an Error on every rank") {
+  require_all_passed(run_ranks("frozen_mismatch", 2));
+}
+
+TEST_CASE("distributed: a rank that goes on after its step() threw: an Error on every rank") {
+  require_all_passed(run_ranks("diverged", 2));
+}
+
+TEST_CASE("distributed: resumed on more ranks than saved, every rank has a random stream of its own") {
+  const auto dir = fresh_dir("grow");
+  require_all_passed(run_ranks("grow", 2, std::chrono::seconds(120), dir / "save"));
+  require_all_passed(run_ranks("grow", 3, std::chrono::seconds(120), dir / "load"));
+}
+
+TEST_CASE("distributed: a resumed 2-process run equals the uninterrupted one bitwise") {
+  require_all_passed(run_ranks("resume", 2));
+}
+
+TEST_CASE("distributed: a checkpoint one rank cannot load or rank 0 cannot write: an Error on every rank, nothing changed") {
+  require_all_passed(run_ranks("checkpoint_errors", 2));
+}
+
+TEST_CASE("distributed: killed and restarted from its checkpoints, a run ends as an uninterrupted one, bitwise") {
+  const auto reference = fresh_dir("kill_resume_reference");
+  require_all_passed(run_ranks("kill_resume", 2, std::chrono::seconds(240), reference / "run"));
+  std::vector<torch::Tensor> expected;
+  torch::load(expected, (reference / "final.pt").string());
+
+  const auto interrupted = fresh_dir("kill_resume");
+  std::mt19937 random(7);
+  int kills = 0;
+  for (int attempt = 0;; ++attempt) {
+    REQUIRE(attempt < 60);
+    // Five kills at random moments (of either rank, inside save() among them), then a run to
+    // the end; a kill before the first checkpoint only costs time. Each step takes at least
+    // 10 ms and a checkpoint comes every 4 steps, so a kill within 100 ms of the start saves at
+    // most 8 steps: five of them leave 20 of the 60 steps, and every kill lands.
+    std::optional<Kill> kill;
+    if (kills < 5) kill = Kill{static_cast<int>(random() % 2), std::chrono::milliseconds(random() % 100)};
+    const auto outcomes = run_ranks("kill_resume", 2, std::chrono::seconds(240),
+                                    interrupted / ("attempt" + std::to_string(attempt)), kill);
+    MESSAGE("attempt ", attempt, (kill ? " kill rank " + std::to_string(kill->rank) + " after " +
+                                             std::to_string(kill->after.count()) + " ms"
+                                       : std::string(" to the end")),
+            ": ", outcomes[0].log.substr(0, outcomes[0].log.find('\n')));
+    bool all_done = true;
+    for (const auto& o : outcomes) {
+      INFO("log:\n", o.log);
+      CHECK_FALSE(o.hung);  // a survivor fails at its next collective, never waits forever
+      all_done = all_done && !o.killed && WIFEXITED(o.status) && WEXITSTATUS(o.status) == 0;
+    }
+    if (outcomes[0].killed || outcomes[1].killed) ++kills;
+    if (all_done && !std::filesystem::exists(interrupted / "final.pt")) all_done = false;
+    if (all_done) break;
+  }
+  CHECK(kills == 5);
+  std::vector<torch::Tensor> got;
+  torch::load(got, (interrupted / "final.pt").string());
+  REQUIRE(got.size() == expected.size());
+  for (std::size_t i = 0; i < got.size(); ++i) {
+    CAPTURE(i);
+    CHECK(torch::equal(got[i], expected[i]));
+  }
+}
+
+TEST_CASE("distributed: BatchNorm buffers follow rank 0's, parameters agree bitwise") {
+  require_all_passed(run_ranks("buffers", 2));
+}
+
+TEST_CASE("distributed: a module a precision map keeps fp32 trains as in one process") {
+  require_all_passed(run_ranks("mapped", 2));
+}
+
+TEST_CASE("distributed: buffers as DDP's: rank 0's at each step's first micro-batch and before evaluate()") {
+  require_all_passed(run_ranks("evaluate", 2));
+}
+
+namespace {
+
+std::vector<std::vector<double>> read_lines(const std::filesystem::path& path) {
+  std::vector<std::vector<double>> lines;
+  std::ifstream in(path);
+  for (std::string line; std::getline(in, line);) {
+    std::istringstream values(line);
+    lines.emplace_back();
+    for (double v = 0; values >> v;) lines.back().push_back(v);
+  }
+  return lines;
+}
+
+// Trains with Trainer<P> on 2 ranks and with DDP in Python (tests/parity.py `mode`), and
+// compares every step's parameters and buffers and both evaluation outputs on every rank.
+void check_ddp_reference(const std::string& mode, const std::string& rank_case, double tolerance,
+                         int steps = kDdpSteps) {
+  const int world = 2;
+  const auto dir = fresh_dir(rank_case);
+  std::filesystem::create_directories(dir);
+  {
+    c10::impl::GenericDict dict(c10::StringType::get(), c10::AnyType::get());
+    const auto model = ddp_reference_model(mode.rfind("zero", 0) == 0);
+    for (const auto& item : model->named_parameters()) dict.insert("param." + item.key(), item.value().detach().clone());
+    for (const auto& item : model->named_buffers()) dict.insert("buffer." + item.key(), item.value().detach().clone());
+    for (int rank = 0; rank < world; ++rank) {
+      for (int k = 0; k < steps; ++k) {
+        for (int j = 0; j < kDdpMicroBatches; ++j) {
+          dict.insert("x." + std::to_string(rank) + "." + std::to_string(k) + "." + std::to_string(j),
+                      ddp_reference_batch(rank, k, j));
+        }
+      }
+    }
+    dict.insert("x.eval", ddp_reference_eval_batch());
+    dict.insert("world", static_cast<std::int64_t>(world));
+    dict.insert("steps", static_cast<std::int64_t>(steps));
+    dict.insert("micro_batches", static_cast<std::int64_t>(kDdpMicroBatches));
+    dict.insert("lr", mode.rfind("zero", 0) == 0 ? kZeroLr : 0.1);
+    dict.insert("momentum", 0.9);
+    dict.insert("weight_decay", kZeroWeightDecay);
+    const auto bytes = torch::pickle_save(c10::IValue(dict));
+    std::ofstream((dir / "input.pt").string(), std::ios::binary)
+        .write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+  }
+  const auto command = std::string(MIXPREC_SYSTEM_PYTHON) + " " + MIXPREC_PARITY_SCRIPT + " " + mode +
+                       " " + (dir / "input.pt").string() + " " + (dir / "python").string();
+  REQUIRE(std::system(command.c_str()) == 0);
+  require_all_passed(run_ranks(rank_case, world, std::chrono::seconds(240), dir));
+  std::vector<std::vector<double>> evaluations;
+  double largest_step = 0, largest_eval = 0;
+  for (int rank = 0; rank < world; ++rank) {
+    CAPTURE(rank);
+    const auto ours = read_lines(dir / ("cpp.rank" + std::to_string(rank) + ".txt"));
+    const auto theirs = read_lines(dir / ("python.rank" + std::to_string(rank) + ".txt"));
+    REQUIRE(ours.size() == static_cast<std::size_t>(steps + 2));
+    REQUIRE(theirs.size() == ours.size());
+    for (std::size_t line = 0; line < ours.size(); ++line) {
+      CAPTURE(line);
+      REQUIRE(ours[line].size() == theirs[line].size());
+      double diff = 0;
+      for (std::size_t i = 0; i < ours[line].size(); ++i) {
+        diff = std::max(diff, std::abs(ours[line][i] - theirs[line][i]));
+      }
+      auto& largest = line < static_cast<std::size_t>(steps) ? largest_step : largest_eval;
+      largest = std::max(largest, diff);
+      CHECK(diff <= tolerance);
+    }
+    evaluations.push_back(ours.back());
+  }
+  // As under DDP, every rank evaluates with rank 0's statistics: the same outputs.
+  CHECK(evaluations[0] == evaluations[1]);
+  MESSAGE(mode, ": Trainer vs DDP over ", steps, " steps of ", kDdpMicroBatches,
+          " micro-batches on ", world, " ranks: largest difference in parameters and buffers ",
+          largest_step, ", in the evaluate() outputs ", largest_eval);
+}
+
+}  // namespace
+
+TEST_CASE("distributed: against PyTorch's DDP, accumulation, BatchNorm and evaluate() on every rank (FullPrecision)") {
+  check_ddp_reference("ddp_fp32", "ddp_reference_fp32", 1e-6);
+}
+
+TEST_CASE("distributed: ... and MixedO1<BFloat16> against DDP under torch.autocast(bfloat16)") {
+  check_ddp_reference("ddp_bf16", "ddp_reference_bf16", 1e-6);
+}
+
+TEST_CASE("distributed, sharded: against ZeroRedundancyOptimizer(AdamW) with DDP, loss for loss (FullPrecision)") {
+  check_ddp_reference("zero_adamw", "zero_reference", 1e-6, kZeroReferenceSteps);
+}
+
+TEST_CASE("distributed, sharded: 2 and 3 ranks train as the unsharded run (AdamW, SGD; accumulation, clipping, skips)") {
+  require_passed_on_2_and_3("zero_equivalence");
+}
+
+TEST_CASE("distributed, sharded: each rank holds its slices' masters and Adam state, together every element once") {
+  require_all_passed(run_ranks("zero_memory", 3));
+}
+
+TEST_CASE("distributed, sharded: a rank killed mid-run: the others throw, their model and optimizer as before the step") {
+  require_survivors_passed(run_ranks("zero_kill", 3, std::chrono::seconds(120)));
+}
+
+TEST_CASE("distributed, sharded: a checkpoint one rank cannot read, or of another model: an Error on every rank, nothing changed") {
+  require_all_passed(run_ranks("zero_checkpoint_errors", 2));
+}
+
+TEST_CASE("distributed, sharded: checkpoints move between world sizes and between sharded and unsharded runs") {
+  const auto root = fresh_dir("zero_checkpoints");
+  const auto run = [&](const std::string& name, int world) {
+    INFO(name, " on ", world, " ranks");
+    require_all_passed(run_ranks(name, world, std::chrono::seconds(240),
+                                 root / (name + "_x" + std::to_string(world))));
+  };
+  run("zero_save", 2);
+  run("zero_save_plain", 2);
+  const auto values = [&](const std::string& file) {
+    std::vector<torch::Tensor> result;
+    torch::load(result, (root / file).string());
+    return result;
+  };
+  // The model's bf16 tensors, then the fp32 weights, then the counters.
+  const auto compare = [&](const std::string& resumed, const std::string& reference,
+                           double tolerance) {
+    const auto a = values(resumed), b = values(reference);
+    REQUIRE(a.size() == b.size());
+    const auto n = (a.size() - 1) / 2;
+    const std::vector<torch::Tensor> low_a(a.begin(), a.begin() + static_cast<std::ptrdiff_t>(n));
+    const std::vector<torch::Tensor> low_b(b.begin(), b.begin() + static_cast<std::ptrdiff_t>(n));
+    const std::vector<torch::Tensor> fp32_a(a.begin() + static_cast<std::ptrdiff_t>(n), a.end() - 1);
+    const std::vector<torch::Tensor> fp32_b(b.begin() + static_cast<std::ptrdiff_t>(n), b.end() - 1);
+    const double fp32 = max_relative(fp32_a, fp32_b), low = max_relative(low_a, low_b);
+    MESSAGE(resumed, " vs ", reference, ": max relative difference ", fp32,
+            " in the fp32 weights, ", low, " in the bf16 parameters (tolerance ", tolerance, ")");
+    CHECK(torch::equal(a.back(), b.back()));  // steps, of which skipped
+    if (tolerance == 0) {
+      CHECK(identical(a, b));
+    } else {
+      CHECK(fp32 <= tolerance);
+      CHECK(low <= tolerance);
+    }
+  };
+  // What a checkpoint holds, read by one unsharded process: parameters, masters, AdamW's
+  // state tensor by tensor, counters.
+  const auto contents = [&](const std::string& file) {
+    auto net = dyadic_net(7, /*extra=*/true);
+    auto optimizer = optimizer_for(net, Opt::adamw);
+    mp::Trainer<ZeroPolicy> trainer(net, *optimizer);
+    trainer.load((root / file).string());
+    auto result = snapshot(net->parameters());
+    for (const auto& m : trainer.master_weights()) result.push_back(m.clone());
+    for (const auto& group : optimizer->param_groups()) {
+      for (const auto& p : group.params()) {
+        auto* state = mp::detail::state_of(*optimizer, p);
+        if (state == nullptr) continue;
+        auto& adamw = static_cast<torch::optim::AdamWParamState&>(*state);
+        result.push_back(adamw.exp_avg().clone());
+        result.push_back(adamw.exp_avg_sq().clone());
+        result.push_back(torch::tensor({adamw.step()}));
+      }
+    }
+    const auto stats = trainer.stats();
+    result.push_back(torch::tensor({stats.steps, stats.skipped_steps, stats.micro_batches}));
+    return result;
+  };
+  const auto original = contents("sharded2.ckpt");
+  CHECK(original.size() > 30);  // 12 parameters, 11 masters, AdamW state for 6 tensors
+  run("zero_resume", 2);
+  compare("resumed_sharded_x2.pt", "uninterrupted_sharded.pt", 0);
+  // At other world sizes each rank takes other slices: saved again at once, the checkpoint is
+  // the same, bit for bit. Training on, the gradients are summed in other groupings, and AdamW,
+  // which divides by sqrt(v), turns a gradient that is 0 in one grouping and 1e-9 in another
+  // into a step of lr either way (measured: 0.4-0.9 % relative after 3 steps at lr 1/32).
+  for (const int world : {4, 1}) {
+    run("zero_resume", world);
+    CHECK(identical(contents("resaved_sharded_x" + std::to_string(world) + ".ckpt"), original));
+    compare("resumed_sharded_x" + std::to_string(world) + ".pt", "uninterrupted_sharded.pt", 0.05);
+  }
+  run("zero_resume_plain", 2);  // an unsharded checkpoint, resumed sharded on as many ranks
+  compare("resumed_plain_x2.pt", "uninterrupted_plain.pt", 0);
+  run("zero_resume_unsharded", 3);  // a sharded checkpoint, resumed unsharded
+  CHECK(identical(contents("resaved_unsharded_x3.ckpt"), original));
+  compare("resumed_unsharded_x3.pt", "uninterrupted_sharded.pt", 0.05);
+}
+
+TEST_CASE("distributed: a rank killed mid-run makes the others throw mixprec::Error, not hang") {
+  const auto start = std::chrono::steady_clock::now();
+  const auto outcomes = run_ranks("kill", 3, std::chrono::seconds(120));
+  const auto seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  require_survivors_passed(outcomes);
+  CHECK(seconds < 60);  // the survivors' bound is the group's 30 s timeout at most
+}
+
+// ---------------------------------------------------------------- one process, bad input
+
+namespace {
+
+// A group of one rank, in this process.
+c10::intrusive_ptr<mp::ProcessGroup> solo_group() {
+  static int counter = 0;
+  const auto dir = std::filesystem::path(MIXPREC_TEST_TMPDIR) /
+                   ("solo_" + std::to_string(::getpid()) + "_" + std::to_string(counter++));
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  auto store = c10::make_intrusive<c10d::FileStore>((dir / "store").string(), 1);
+  return mp::gloo_group(store, 0, 1, std::chrono::seconds(30));
+}
+
+// Sets environment variables for one scope, and clears the launch variables it does not set.
+struct LaunchVariables {
+  explicit LaunchVariables(const std::map<std::string, std::string>& values) {
+    clear();
+    for (const auto& [name, value] : values) ::setenv(name.c_str(), value.c_str(), 1);
+  }
+  ~LaunchVariables() { clear(); }
+  static void clear() {
+    for (const char* name : {"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
+                             "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_RESTART_COUNT"}) {
+      ::unsetenv(name);
+    }
+  }
+};
+
+}  // namespace
+
+TEST_CASE("distributed: bad DistributedOptions are an Error before the model changes") {
+  auto net = dyadic_net(1);
+  const auto before = snapshot(net->parameters());
+  auto optimizer = sgd_for(net);
+  auto group = solo_group();
+  SUBCASE("a null process group") {
+    CHECK_THROWS_WITH_AS(mp::Trainer<mp::FullPrecision>(net, *optimizer,
+                             mp::TrainerOptions().distributed(mp::DistributedOptions({}))),
+                         doctest::Contains("null process group"), mp::Error);
+  }
+  SUBCASE("a null process group, through the policy's Options (which convert with it)") {
+    using Trainer = mp::Trainer<mp::MixedO1<at::BFloat16>>;
+    const auto options = Trainer::Options().distributed(mp::DistributedOptions({}));
+    REQUIRE(options.distributed() != nullptr);
+    CHECK(mp::TrainerOptions(options).distributed() != nullptr);
+    CHECK(mp::TrainerOptions().distributed() == nullptr);
+    CHECK_THROWS_WITH_AS(Trainer(net, *optimizer, options),
+                         doctest::Contains("null process group"), mp::Error);
+  }
+  SUBCASE("a reduce dtype that is not fp32, bf16 or fp16") {
+    CHECK_THROWS_WITH_AS(mp::Trainer<mp::FullPrecision>(net, *optimizer,
+                             mp::TrainerOptions().distributed(
+                                 mp::DistributedOptions(group).reduce_dtype(at::kDouble))),
+                         doctest::Contains("reduce_dtype must be kFloat, kBFloat16 or kHalf"),
+                         mp::Error);
+  }
+  SUBCASE("a negative bucket size") {
+    CHECK_THROWS_WITH_AS(mp::Trainer<mp::FullPrecision>(net, *optimizer,
+                             mp::TrainerOptions().distributed(
+                                 mp::DistributedOptions(group).bucket_cap_mb(-1))),
+                         doctest::Contains("bucket sizes must be >= 0 MiB"), mp::Error);
+  }
+  SUBCASE("bf16 reduction: an Error where Gloo cannot reduce bf16 (LibTorch 1.13)") {
+    const auto options =
+        mp::TrainerOptions().distributed(mp::DistributedOptions(group).reduce_dtype(at::kBFloat16));
+    if (mp::gloo_reduces_bf16) {
+      CHECK_NOTHROW(mp::Trainer<mp::FullPrecision>(net, *optimizer, options));
+    } else {
+      CHECK_THROWS_WITH_AS(mp::Trainer<mp::FullPrecision>(net, *optimizer, options),
+                           doctest::Contains("Gloo backend cannot reduce bf16"), mp::Error);
+    }
+  }
+  SUBCASE("sharded optimizer state with an optimizer whose state cannot be sharded") {
+    torch::optim::Adagrad adagrad(net->parameters(), torch::optim::AdagradOptions(0.1));
+    CHECK_THROWS_WITH_AS(mp::Trainer<mp::MixedO2<at::BFloat16>>(net, adagrad,
+                             mp::TrainerOptions().distributed(
+                                 mp::DistributedOptions(group).shard_optimizer_state(true))),
+                         doctest::Contains("this optimizer is a torch::optim::Adagrad"),
+                         mp::Error);
+  }
+  SUBCASE("sharded optimizer state reducing in fp16") {
+    CHECK_THROWS_WITH_AS(mp::Trainer<mp::MixedO2<at::BFloat16>>(net, *optimizer,
+                             mp::TrainerOptions().distributed(
+                                 mp::DistributedOptions(group).shard_optimizer_state(true)
+                                     .reduce_dtype(at::kHalf))),
+                         doctest::Contains("leave reduce_dtype at kFloat"), mp::Error);
+  }
+  SUBCASE("sharded optimizer state with gradient statistics") {
+    CHECK_THROWS_WITH_AS(mp::Trainer<mp::MixedO2<at::BFloat16>>(net, *optimizer,
+                             mp::TrainerOptions().gradient_stats(mp::GradientStatsOptions().every(1))
+                                 .distributed(mp::DistributedOptions(group).shard_optimizer_state(true))),
+                         doctest::Contains("gradient_stats with DistributedOptions::shard_optimizer_state"),
+                         mp::Error);
+  }
+  CHECK(identical(net->parameters(), before));
+  CHECK(optimizer->state().empty());
+  // Nothing is held: the model trains under a new Trainer.
+  mp::Trainer<mp::FullPrecision> trainer(
+      net, *optimizer, mp::TrainerOptions().distributed(mp::DistributedOptions(group)));
+  auto gen = at::detail::createCPUGenerator(1);
+  Batch b{dyadic({4, 8}, gen), dyadic({4, 4}, gen)};
+  CHECK(trainer.step([&] { return loss_of(trainer, net, b); }).stepped());
+}
+
+TEST_CASE("distributed, sharded: a late param group with a tensor the optimizer trains already is an Error, nothing changed") {
+  auto net = dyadic_net(1, /*extra=*/true);
+  auto optimizer = optimizer_for(net, Opt::adamw, /*late=*/true);
+  mp::Trainer<mp::MixedO2<at::BFloat16>> trainer(
+      net, *optimizer,
+      mp::TrainerOptions().distributed(mp::DistributedOptions(solo_group()).shard_optimizer_state(true)));
+  auto gen = at::detail::createCPUGenerator(1);
+  Batch b{dyadic({4, 8}, gen), dyadic({4, 4}, gen)};
+  REQUIRE(trainer.step([&] { return loss_of(trainer, net, b); }).stepped());
+  const auto before = snapshot(net->parameters());
+  const auto fp32 = trainer.fp32_state_dict();
+  auto twice = hidden_of(net, true);
+  twice.push_back(net->in->weight);  // sharded in group 0 already
+  optimizer->add_param_group(torch::optim::OptimizerParamGroup(twice));
+  CHECK_THROWS_WITH_AS(trainer.step([&] { return loss_of(trainer, net, b); }),
+                       doctest::Contains("that it already trains (sharded, in an earlier group)"),
+                       mp::Error);
+  CHECK(identical(net->parameters(), before));
+  std::vector<torch::Tensor> a, c;
+  for (const auto& item : trainer.fp32_state_dict()) a.push_back(item.value());
+  for (const auto& item : fp32) c.push_back(item.value());
+  CHECK(identical(a, c));
+}
+
+TEST_CASE("distributed, sharded: a new optimizer assigned to the Trainer's is an Error, nothing changed" *
+          doctest::skip(!test::optimizers_assignable)) {
+  // Each rank's optimizer holds its slices: a new one over model->parameters() cannot take
+  // them over (unsharded, and in one process, it is adopted: test_trainer_habits.cpp).
+  auto net = dyadic_net(1);
+  torch::optim::AdamW optimizer(net->parameters(), torch::optim::AdamWOptions(1e-2));
+  mp::Trainer<mp::MixedO2<at::BFloat16>> trainer(
+      net, optimizer,
+      mp::TrainerOptions().distributed(mp::DistributedOptions(solo_group()).shard_optimizer_state(true)));
+  auto gen = at::detail::createCPUGenerator(1);
+  Batch b{dyadic({4, 8}, gen), dyadic({4, 4}, gen)};
+  REQUIRE(trainer.step([&] { return loss_of(trainer, net, b); }).stepped());
+  const auto before = snapshot(net->parameters());
+  test::assign_new(optimizer, net->parameters(), torch::optim::AdamWOptions(1e-3));
+  CHECK_THROWS_WITH_AS(trainer.step([&] { return loss_of(trainer, net, b); }),
+                       doctest::Contains("shard_optimizer_state"), mp::Error);
+  CHECK(identical(net->parameters(), before));
+}
+
+TEST_CASE("distributed: DataParallel refuses a gradient that arrives twice in one step") {
+  // The Trainer runs one backward pass per step; a loop of one's own might run two.
+  auto net = dyadic_net(1);
+  mp::DataParallel parallel(*net, mp::DistributedOptions(solo_group()));
+  std::vector<torch::Tensor> params;
+  for (const auto& p : net->parameters()) {
+    if (p.requires_grad()) params.push_back(p);
+  }
+  params = mp::detail::unique_tensors(params);
+  parallel.bind(params, params);
+  auto gen = at::detail::createCPUGenerator(1);
+  const auto x = dyadic({4, 8}, gen);
+  parallel.prepare(true);
+  auto loss = net->forward(x).pow(2).mean();
+  loss.backward({}, /*retain_graph=*/true);
+  loss.backward();
+  CHECK_THROWS_WITH_AS(parallel.finish(),
+                       doctest::Contains("accumulated again after its bucket had been copied"),
+                       mp::Error);
+  // One backward pass per prepare() is fine, and the average of one rank is the gradient.
+  for (auto& p : params) p.mutable_grad() = torch::Tensor();
+  parallel.prepare(true);
+  net->forward(x).pow(2).mean().backward();
+  const auto expected = snapshot(params);  // not the gradients: snapshot copies values
+  std::vector<torch::Tensor> local;
+  for (const auto& p : params) local.push_back(p.grad().clone());
+  parallel.finish();
+  for (std::size_t i = 0; i < params.size(); ++i) CHECK(torch::equal(params[i].grad(), local[i]));
+  CHECK(identical(params, expected));
+}
+
+TEST_CASE("distributed: a sparse gradient is an Error") {
+  torch::manual_seed(1);
+  torch::nn::Embedding embedding(torch::nn::EmbeddingOptions(10, 4).sparse(true));
+  torch::optim::SGD optimizer(embedding->parameters(), torch::optim::SGDOptions(0.1));
+  mp::Trainer<mp::FullPrecision> trainer(
+      embedding, optimizer, mp::TrainerOptions().distributed(mp::DistributedOptions(solo_group())));
+  const auto before = snapshot(embedding->parameters());
+  CHECK_THROWS_WITH_AS(trainer.step([&] {
+                         return embedding->forward(torch::tensor({1, 2}, torch::kLong)).sum();
+                       }),
+                       doctest::Contains("DataParallel reduces dense gradients"), mp::Error);
+  CHECK(identical(embedding->parameters(), before));
+}
+
+TEST_CASE("distributed: LaunchEnvironment reads torchrun's variables, and names a bad one") {
+  {
+    LaunchVariables env({});
+    const auto solo = mp::LaunchEnvironment::from_env();
+    CHECK(solo.rank == 0);
+    CHECK(solo.world_size == 1);
+  }
+  {
+    LaunchVariables env({{"RANK", "2"}, {"WORLD_SIZE", "4"}, {"LOCAL_RANK", "0"},
+                         {"MASTER_ADDR", "node7"}, {"MASTER_PORT", "29400"},
+                         {"TORCHELASTIC_USE_AGENT_STORE", "True"},
+                         {"TORCHELASTIC_RESTART_COUNT", "3"}});
+    const auto e = mp::LaunchEnvironment::from_env();
+    CHECK(e.rank == 2);
+    CHECK(e.world_size == 4);
+    CHECK(e.master_addr == "node7");
+    CHECK(e.master_port == 29400);
+    CHECK(e.agent_store);
+    CHECK(e.restart_count == 3);
+  }
+  const std::vector<std::pair<std::map<std::string, std::string>, std::string>> bad{
+      {{{"RANK", "0"}}, "sets RANK but not WORLD_SIZE"},
+      {{{"RANK", "x"}, {"WORLD_SIZE", "2"}}, "RANK='x' is not an integer in [0, 1]"},
+      {{{"RANK", "2"}, {"WORLD_SIZE", "2"}}, "RANK='2' is not an integer in [0, 1]"},
+      {{{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "h"}}, "MASTER_PORT is not"},
+      {{{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "h"}, {"MASTER_PORT", "70000"}},
+       "MASTER_PORT='70000' is not an integer in [1, 65535]"},
+  };
+  for (const auto& [values, message] : bad) {
+    LaunchVariables env(values);
+    CAPTURE(message);
+    CHECK_THROWS_WITH_AS(mp::LaunchEnvironment::from_env(), doctest::Contains(message.c_str()),
+                         mp::Error);
+  }
+}
+
+int main(int argc, char** argv) {
+  self_path = std::filesystem::canonical("/proc/self/exe").string();
+  if (argc == 6 && std::string(argv[1]) == "--rank-of") {
+    return run_rank(argv[2], std::stoi(argv[3]), std::stoi(argv[4]), argv[5]);
+  }
+  if (argc == 4 && std::string(argv[1]) == "--launched") return run_launched(argv[2], argv[3]);
+  return test::runner::run(argc, argv);
+}

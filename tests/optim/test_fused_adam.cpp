@@ -1,0 +1,366 @@
+// fused_adam.hpp and TrainerOptions::fused_optimizer: ATen's fused Adam/AdamW with the unscale
+// folded in, against LibTorch's own Adam/AdamW on the same weights and gradients.
+//
+// The bound: the fused kernel groups Adam's arithmetic differently (its moments are a*b + c*d
+// where LibTorch's add_ fuses a multiply-add, its update is (lr*m)/d where addcdiv_ is lr*(m/d)),
+// so each step may differ by a few fp32 ulps of the update. kUlps below is that bound, per step
+// and relative to the parameter's magnitude plus the learning rate (the size of one update).
+#include <mixprec/optim/fused_adam.hpp>
+#include <mixprec/mixprec.hpp>
+
+#include "support.hpp"
+
+#include <torch/torch.h>
+
+#include <doctest/doctest.h>
+
+#include <limits>
+
+namespace mp = mixprec;
+
+// The fused kernels need LibTorch >= 2.4: there every case runs, and the one for older
+// versions is reported as skipped; under 1.13 the reverse (doctest's skip decorator).
+namespace {
+const auto needs_fused = doctest::skip(!mp::fused_adam_available);
+}  // namespace
+
+
+namespace {
+
+constexpr double kUlps = 2.0;
+const double kEps32 = std::numeric_limits<float>::epsilon();
+
+// MixedO2<BFloat16> with dynamic scaling, as a user would derive it.
+struct ScaledO2 : mp::MixedO2<at::BFloat16> {
+  static constexpr std::string_view name = "ScaledO2";
+  using scaler_type = mp::GradScaler;
+};
+
+std::vector<at::Tensor> make_params() {
+  torch::manual_seed(11);
+  std::vector<at::Tensor> params;
+  for (const auto& shape : std::vector<std::vector<std::int64_t>>{{17, 9}, {33}, {4, 4, 4}, {1}}) {
+    params.push_back(torch::randn(shape).requires_grad_());
+  }
+  return params;
+}
+
+/// The same gradients on every copy: drawn from a generator seeded by the step number.
+void set_grads(const std::vector<at::Tensor>& params, int step, double scale = 1.0) {
+  auto generator = at::make_generator<at::CPUGeneratorImpl>(1000 + static_cast<std::uint64_t>(step));
+  for (const auto& p : params) {
+    p.mutable_grad() = at::randn(p.sizes(), generator) * scale;
+  }
+}
+
+/// Two param groups (lr 1e-2 and 3e-3), as a user with a backbone and a head has.
+template <class Optimizer, class Options>
+std::unique_ptr<Optimizer> make_optimizer(const std::vector<at::Tensor>& params, Options options) {
+  std::vector<torch::optim::OptimizerParamGroup> groups;
+  groups.emplace_back(std::vector<at::Tensor>{params[0], params[1]},
+                      std::make_unique<Options>(options));
+  auto head = options;
+  head.lr(3e-3);
+  groups.emplace_back(std::vector<at::Tensor>{params[2], params[3]}, std::make_unique<Options>(head));
+  return std::make_unique<Optimizer>(std::move(groups), options);
+}
+
+/// max over tensors of |a - b| / (max|a| + lr): differences in units of one update's size.
+double relative_diff(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b, double lr) {
+  double m = 0.0;
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    const double scale = a[i].abs().max().item<double>() + lr;
+    m = std::max(m, (a[i].to(at::kDouble) - b[i].to(at::kDouble)).abs().max().item<double>() / scale);
+  }
+  return m;
+}
+
+std::vector<at::Tensor> detached(const std::vector<at::Tensor>& params) {
+  std::vector<at::Tensor> out;
+  for (const auto& p : params) out.push_back(p.detach());
+  return out;
+}
+
+/// Each parameter's moments, in parameter order (looked up as the optimizer keys them).
+template <class State>
+std::vector<at::Tensor> moments(torch::optim::Optimizer& optimizer,
+                                const std::vector<at::Tensor>& params) {
+  std::vector<at::Tensor> out;
+  auto& states = optimizer.state();
+  for (const auto& p : params) {
+    const auto it = states.find(mp::detail::state_key<decltype(states)>(p));
+    REQUIRE(it != states.end());
+    const auto& s = static_cast<const State&>(*it->second);
+    out.push_back(s.exp_avg());
+    out.push_back(s.exp_avg_sq());
+    if (s.max_exp_avg_sq().defined()) out.push_back(s.max_exp_avg_sq());
+  }
+  return out;
+}
+
+template <class Optimizer, class Options, class State>
+void matches_libtorch(const Options& options) {
+  auto ref_params = make_params();
+  auto fused_params = make_params();
+  auto ref = make_optimizer<Optimizer>(ref_params, options);
+  auto fused = make_optimizer<Optimizer>(fused_params, options);
+  double worst = 0.0;
+  for (int step = 0; step < 20; ++step) {
+    set_grads(ref_params, step);
+    set_grads(fused_params, step);
+    ref->step();
+    mp::fused_adam_step(*fused);
+    const double diff = relative_diff(detached(ref_params), detached(fused_params), options.lr());
+    worst = std::max(worst, diff / (step + 1));
+    REQUIRE(diff <= kUlps * kEps32 * (step + 1));
+  }
+  MESSAGE("largest difference per step: " << worst / kEps32 << " fp32 ulps of an update");
+  // The state is LibTorch's own: step counts as Adam::step keeps them, moments close.
+  for (auto& [key, state] : fused->state()) {
+    (void)key;
+    CHECK(static_cast<const State&>(*state).step() == 20);
+  }
+  const auto m_ref = moments<State>(*ref, ref_params);
+  const auto m_fused = moments<State>(*fused, fused_params);
+  REQUIRE(m_ref.size() == m_fused.size());
+  CHECK(relative_diff(m_ref, m_fused, 0.0) <= kUlps * kEps32 * 20);
+}
+
+}  // namespace
+
+TEST_SUITE("fused adam" * needs_fused) {
+  TEST_CASE("fused_adam_step equals LibTorch's Adam and AdamW up to the stated rounding bound") {
+    using torch::optim::Adam, torch::optim::AdamW, torch::optim::AdamOptions,
+        torch::optim::AdamWOptions, torch::optim::AdamParamState, torch::optim::AdamWParamState;
+    SUBCASE("Adam") { matches_libtorch<Adam, AdamOptions, AdamParamState>(AdamOptions(1e-2)); }
+    SUBCASE("Adam, weight decay, amsgrad") {
+      matches_libtorch<Adam, AdamOptions, AdamParamState>(
+          AdamOptions(1e-2).weight_decay(0.1).amsgrad(true).betas({0.8, 0.99}));
+    }
+    SUBCASE("AdamW") { matches_libtorch<AdamW, AdamWOptions, AdamWParamState>(AdamWOptions(1e-2)); }
+    SUBCASE("AdamW, amsgrad, eps") {
+      matches_libtorch<AdamW, AdamWOptions, AdamWParamState>(
+          AdamWOptions(1e-2).weight_decay(0.05).amsgrad(true).eps(1e-6));
+    }
+  }
+
+  TEST_CASE("a power-of-two grad_scale folds the unscale in exactly, and writes the gradient back unscaled") {
+    auto plain = make_params();
+    auto scaled = make_params();
+    auto a = make_optimizer<torch::optim::AdamW>(plain, torch::optim::AdamWOptions(1e-2));
+    auto b = make_optimizer<torch::optim::AdamW>(scaled, torch::optim::AdamWOptions(1e-2));
+    for (int step = 0; step < 5; ++step) {
+      set_grads(plain, step);
+      set_grads(scaled, step, 1024.0);
+      mp::fused_adam_step(*a);
+      mp::fused_adam_step(*b, at::full({}, 1024.0F));
+      CHECK(test::identical(detached(plain), detached(scaled)));
+      for (std::size_t i = 0; i < plain.size(); ++i) CHECK(scaled[i].grad().equal(plain[i].grad()));
+    }
+    CHECK(test::identical(moments<torch::optim::AdamWParamState>(*a, plain),
+                          moments<torch::optim::AdamWParamState>(*b, scaled)));
+  }
+
+  TEST_CASE("fused and unfused steps share LibTorch's state: each continues the other, and it serializes") {
+    using torch::optim::Adam, torch::optim::AdamOptions;
+    const auto options = AdamOptions(1e-2).weight_decay(0.01);
+    auto run = [&](bool fused_first, bool fused_then) {
+      auto params = make_params();
+      auto optimizer = make_optimizer<Adam>(params, options);
+      for (int step = 0; step < 6; ++step) {
+        set_grads(params, step);
+        if ((step < 3 ? fused_first : fused_then)) {
+          mp::fused_adam_step(*optimizer);
+        } else {
+          optimizer->step();
+        }
+      }
+      return std::make_pair(params, std::move(optimizer));
+    };
+    auto [reference, ref_opt] = run(false, false);
+    auto [fused_later, opt1] = run(false, true);
+    auto [fused_first, opt2] = run(true, false);
+    // Had a path not found the other's state, it would restart the moments at 0: an update
+    // many times the bound off.
+    CHECK(relative_diff(detached(reference), detached(fused_later), 1e-2) <= kUlps * kEps32 * 6);
+    CHECK(relative_diff(detached(reference), detached(fused_first), 1e-2) <= kUlps * kEps32 * 6);
+    for (auto* optimizer : {opt1.get(), opt2.get()}) {
+      CHECK(optimizer->state().size() == 4U);
+      for (auto& [key, state] : optimizer->state()) {
+        (void)key;
+        CHECK(static_cast<const torch::optim::AdamParamState&>(*state).step() == 6);
+      }
+    }
+    // A state the fused step made round-trips through LibTorch's serialization.
+    torch::serialize::OutputArchive out;
+    opt2->save(out);
+    std::ostringstream bytes;
+    out.save_to(bytes);
+    auto copy_params = make_params();
+    auto copy = make_optimizer<Adam>(copy_params, options);
+    torch::serialize::InputArchive in;
+    std::istringstream stream(bytes.str());
+    in.load_from(stream);
+    copy->load(in);
+    CHECK(test::identical(moments<torch::optim::AdamParamState>(*copy, copy_params),
+                          moments<torch::optim::AdamParamState>(*opt2, fused_first)));
+  }
+
+  TEST_CASE("fused_adam_step refuses what it cannot step, before changing anything") {
+    auto params = make_params();
+    set_grads(params, 0);
+    const auto before = test::snapshot(params);
+    torch::optim::SGD sgd(params, torch::optim::SGDOptions(0.1));
+    CHECK_THROWS_WITH_AS(mp::fused_adam_step(sgd), doctest::Contains("exactly torch::optim::Adam"),
+                         mp::Error);
+    struct MyAdam : torch::optim::Adam {
+      using Adam::Adam;
+    };
+    MyAdam mine(params, torch::optim::AdamOptions(1e-2));
+    CHECK_THROWS_WITH_AS(mp::fused_adam_step(mine), doctest::Contains("subclass"), mp::Error);
+    auto tied = params;
+    tied.push_back(params[0]);
+    torch::optim::Adam twice(tied, torch::optim::AdamOptions(1e-2));
+    CHECK_THROWS_WITH_AS(mp::fused_adam_step(twice), doctest::Contains("listed twice"), mp::Error);
+    auto half = torch::randn({3}).to(at::kHalf).requires_grad_();
+    half.mutable_grad() = torch::ones({3}, at::kHalf);
+    torch::optim::Adam low({params[0], half}, torch::optim::AdamOptions(1e-2));
+    CHECK_THROWS_WITH_AS(mp::fused_adam_step(low), doctest::Contains("fp32 (or fp64) parameters only"),
+                         mp::Error);
+    CHECK(low.state().empty());  // params[0] was valid, but nothing was stepped
+    CHECK(test::identical(test::snapshot(params), before));
+  }
+}
+
+namespace {
+
+struct Mlp : torch::nn::Module {
+  Mlp() {
+    fc1 = register_module("fc1", torch::nn::Linear(16, 32));
+    fc2 = register_module("fc2", torch::nn::Linear(32, 4));
+  }
+  at::Tensor forward(const at::Tensor& x) { return fc2->forward(torch::tanh(fc1->forward(x))); }
+  torch::nn::Linear fc1{nullptr}, fc2{nullptr};
+};
+
+struct Run {
+  std::vector<mp::StepStatus> statuses;
+  std::vector<double> losses, scales, norms;
+  std::vector<at::Tensor> params;
+};
+
+/// 30 micro-batches of Trainer<P> with AdamW, fused or not; the 8th has a NaN input. Half
+/// policies start at a scale that overflows, so the first steps are skipped for real.
+template <class P>
+Run train(bool fused, std::optional<double> clip, std::int64_t accumulation) {
+  torch::manual_seed(5);
+  auto net = std::make_shared<Mlp>();
+  torch::optim::AdamW adamw(net->parameters(), torch::optim::AdamWOptions(1e-2).weight_decay(0.01));
+  auto options = mp::TrainerOptions().fused_optimizer(fused).max_grad_norm(clip).accumulation_steps(
+      accumulation);
+  if constexpr (!std::is_same_v<typename P::scaler_type, mp::NoScaler>) {
+    options.scaler(mp::GradScalerOptions().init_scale(std::ldexp(1.0, 30)).growth_interval(4));
+  }
+  mp::Trainer<P> trainer(net, adamw, options);
+  auto x = torch::randn({64, 16});
+  auto y = x.slice(1, 0, 4).argmax(1);
+  Run run;
+  for (int step = 0; step < 30; ++step) {
+    auto input = x.clone();
+    if (step == 7) input[3][2] = std::numeric_limits<float>::quiet_NaN();
+    const auto before = test::snapshot(net->parameters());
+    const auto masters_before = test::snapshot(trainer.master_weights());
+    const auto report = trainer.step([&] {
+      return torch::nn::functional::cross_entropy(net->forward(trainer.cast_input(input)), y);
+    });
+    if (report.status == mp::StepStatus::skipped) {
+      CHECK(test::identical(test::snapshot(net->parameters()), before));
+      CHECK(test::identical(trainer.master_weights(), masters_before));
+    }
+    run.statuses.push_back(report.status);
+    run.losses.push_back(report.loss.template item<double>());
+    run.scales.push_back(report.scale);
+    run.norms.push_back(report.grad_norm.value_or(-1.0));
+  }
+  run.params = test::snapshot(trainer.master_weights().empty() ? net->parameters()
+                                                               : trainer.master_weights());
+  return run;
+}
+
+}  // namespace
+
+TEST_CASE_TEMPLATE("Trainer: fused_optimizer takes the unfused path's steps, skips and scales" * needs_fused, P,
+                   mp::FullPrecision, mp::MixedO1<at::BFloat16>, mp::MixedO2<at::BFloat16>,
+                   ScaledO2, mp::MixedO1<at::Half>, mp::MixedO2<at::Half>) {
+  struct Case {
+    std::optional<double> clip;
+    std::int64_t accumulation;
+  };
+  for (const auto& c : {Case{std::nullopt, 1}, Case{0.5, 1}, Case{0.5, 2}}) {
+    const auto clip = c.clip;
+    const auto accumulation = c.accumulation;
+    CAPTURE(clip.value_or(0.0));
+    CAPTURE(accumulation);
+    const auto unfused = train<P>(false, clip, accumulation);
+    const auto fused = train<P>(true, clip, accumulation);
+    CHECK(fused.statuses == unfused.statuses);
+    CHECK(fused.scales == unfused.scales);
+    CHECK(std::count(fused.statuses.begin(), fused.statuses.end(), mp::StepStatus::skipped) >=
+          (P::low_dtype == c10::ScalarType::Half ? 2 : 1));
+    // A master that differs by an fp32 ulp can round to the neighbouring bf16 weight: under
+    // bf16 the trajectories agree to two bf16 ulps (measured: 1e-2 at most), elsewhere to 1e-4
+    // (measured: 7e-6).
+    const double tolerance = P::low_dtype == c10::ScalarType::BFloat16 ? 2.0 / 128 : 1e-4;
+    for (std::size_t i = 0; i < fused.losses.size(); ++i) {
+      if (!std::isfinite(unfused.losses[i])) {
+        CHECK_FALSE(std::isfinite(fused.losses[i]));
+        continue;
+      }
+      CHECK(fused.losses[i] == doctest::Approx(unfused.losses[i]).epsilon(tolerance));
+      if (!clip) continue;
+      if (std::isinf(unfused.norms[i])) {
+        CHECK(std::isinf(fused.norms[i]));  // an overflowing step reports an infinite norm
+      } else {
+        CHECK(fused.norms[i] == doctest::Approx(unfused.norms[i]).epsilon(tolerance));
+      }
+    }
+    double worst_loss = 0.0;
+    for (std::size_t i = 0; i < fused.losses.size(); ++i) {
+      if (std::isfinite(unfused.losses[i])) {
+        worst_loss = std::max(worst_loss, std::abs(fused.losses[i] / unfused.losses[i] - 1.0));
+      }
+    }
+    const double param_diff = relative_diff(fused.params, unfused.params, 1e-2);
+    MESSAGE(P::name << ": largest relative loss difference " << worst_loss
+                    << ", final parameters " << param_diff);
+    CHECK(param_diff <= tolerance);
+  }
+}
+
+TEST_CASE("Trainer: fused_optimizer refuses what it cannot fuse, before anything is cast" * needs_fused) {
+  auto net = std::make_shared<Mlp>();
+  torch::optim::SGD sgd(net->parameters(), torch::optim::SGDOptions(0.1));
+  CHECK_THROWS_WITH_AS(mp::Trainer<mp::MixedO2<at::BFloat16>>(
+                           net, sgd, mp::TrainerOptions().fused_optimizer(true)),
+                       doctest::Contains("turn fused_optimizer off"), mp::Error);
+  torch::optim::Adam adam(net->parameters(), torch::optim::AdamOptions(1e-2));
+  CHECK_THROWS_WITH_AS(mp::Trainer<mp::PureHalf<at::BFloat16>>(
+                           net, adam, mp::TrainerOptions().fused_optimizer(true)),
+                       doctest::Contains("use MixedO2 (fp32 masters)"), mp::Error);
+  CHECK(net->fc1->weight.scalar_type() == at::kFloat);
+  // Nothing was claimed either: a valid Trainer can still take the model.
+  mp::Trainer<mp::MixedO2<at::BFloat16>> trainer(net, adam, mp::TrainerOptions().fused_optimizer(true));
+  CHECK(net->fc1->weight.scalar_type() == at::kBFloat16);
+}
+
+TEST_CASE("fused_optimizer needs LibTorch >= 2.4: a clear Error, before anything is cast" *
+          doctest::skip(mp::fused_adam_available)) {
+  auto net = std::make_shared<torch::nn::LinearImpl>(4, 2);
+  torch::optim::Adam adam(net->parameters(), torch::optim::AdamOptions(1e-2));
+  CHECK_FALSE(mp::fused_adam_available);
+  CHECK_THROWS_WITH_AS(mp::Trainer<mp::MixedO2<at::BFloat16>>(
+                           net, adam, mp::TrainerOptions().fused_optimizer(true)),
+                       doctest::Contains("needs LibTorch >= 2.4"), mp::Error);
+  CHECK(net->weight.scalar_type() == at::kFloat);
+  CHECK_THROWS_WITH_AS(mp::fused_adam_step(adam), doctest::Contains("needs LibTorch >= 2.4"), mp::Error);
+}
