@@ -15,6 +15,7 @@
 #include <cstdlib>
 #include <fstream>
 #include <sstream>
+#include <map>
 #include <string>
 #include <utility>
 #include <vector>
@@ -280,13 +281,20 @@ struct Fp8BlockImpl : torch::nn::Module {
 TORCH_MODULE(Fp8Block);
 
 // The losses of `steps` steps of Trainer<P> with AdamW(lr) over the batches of (x, y);
-// on_step(step, logits) after each, and on_step(-1, {}) once the Trainer is built.
+// on_step(step, logits, grads) after each (the step's gradients by parameter name, copied in
+// the Trainer's on_step: it clears them after the step), and on_step(-1, {}, {}) once the
+// Trainer is built.
 template <class P, class Model, class OnStep>
 std::vector<double> train_batches(Model& model, const at::Tensor& x, const at::Tensor& y,
                                   std::int64_t steps, std::int64_t batch, double lr, OnStep&& on_step) {
   torch::optim::AdamW adam(model->parameters(), torch::optim::AdamWOptions(lr));
-  mp::Trainer<P> trainer(model, adam);
-  on_step(-1, at::Tensor());  // before the first step
+  std::map<std::string, at::Tensor> grads;
+  mp::Trainer<P> trainer(model, adam, mp::TrainerOptions().on_step([&](const mp::StepReport&) {
+    for (const auto& item : model->named_parameters()) {
+      if (item.value().grad().defined()) grads[item.key()] = item.value().grad().clone();
+    }
+  }));
+  on_step(-1, at::Tensor(), grads);  // before the first step
   std::vector<double> losses;
   for (std::int64_t step = 0; step < steps; ++step) {
     const auto start = (step * batch) % x.size(0);
@@ -298,7 +306,7 @@ std::vector<double> train_batches(Model& model, const at::Tensor& x, const at::T
       return torch::nn::functional::cross_entropy(logits.to(at::kFloat), yb);
     });
     REQUIRE(report.stepped());
-    on_step(step, logits);
+    on_step(step, logits, grads);
     losses.push_back(report.loss.template item<double>());
   }
   return losses;
@@ -333,7 +341,8 @@ void check_torchao_parity(const std::string& kind, const at::Tensor& x, const at
   }
   std::vector<std::pair<std::string, mp::nn::Float8LinearImpl*>> layers;
   double first_diff = 0;
-  const auto ours = train_batches<P>(model, x, y, steps, batch, lr, [&](std::int64_t step, const at::Tensor& logits) {
+  const auto ours = train_batches<P>(model, x, y, steps, batch, lr, [&](std::int64_t step, const at::Tensor& logits,
+                                                                              const std::map<std::string, at::Tensor>& grads) {
     if (step == -1) {
       for (const auto& item : model->named_modules("", false)) {
         auto* layer = item.value()->template as<mp::nn::Float8LinearImpl>();
@@ -364,7 +373,7 @@ void check_torchao_parity(const std::string& kind, const at::Tensor& x, const at
       };
       first_diff = diff(logits.detach(), theirs("first.logits"));
       for (const auto& item : model->named_parameters()) {
-        first_diff = std::max(first_diff, diff(item.value().grad(), theirs("first.grad." + item.key())));
+        first_diff = std::max(first_diff, diff(grads.at(item.key()), theirs("first.grad." + item.key())));
       }
     }
   });
@@ -372,7 +381,8 @@ void check_torchao_parity(const std::string& kind, const at::Tensor& x, const at
   torch::manual_seed(11);
   Model bf16_model;
   const auto bf16 = train_batches<mp::MixedO2<at::BFloat16>>(bf16_model, x, y, steps, batch, lr,
-                                                             [](std::int64_t, const at::Tensor&) {});
+                                                             [](std::int64_t, const at::Tensor&,
+                                                                const std::map<std::string, at::Tensor>&) {});
   double loss_diff = 0, fp8_effect = 0;
   std::int64_t identical_steps = 0;  // from the first, the steps whose losses are bitwise equal
   for (std::int64_t step = 0; step < steps; ++step) {
