@@ -4,3 +4,4 @@
 /// precision.hpp and fp8.hpp.
 
 #include <mixprec/nn/conv.hpp>
+#include <mixprec/nn/linear.hpp>

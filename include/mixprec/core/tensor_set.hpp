@@ -1,6 +1,6 @@
 #pragma once
 // "Each tensor once": the one de-duplication of tensors by identity that every part of mixprec
-// uses. LibTorch's Module::parameters() and named_parameters() list a tensor registered under
+// uses, and the same over an optimizer's param groups. LibTorch's Module::parameters() and named_parameters() list a tensor registered under
 // two names (tied weights) once per name, where Python lists it once; an optimizer built on
 // them holds it twice.
 
@@ -63,6 +63,20 @@ inline at::Tensor first_repeated(const std::vector<at::Tensor>& tensors) {
     if (!seen.insert(id_of(t)).second) return t;
   }
   return {};
+}
+
+/// Sets each tensor's gradient to none (PyTorch's zero_grad(set_to_none=True)).
+inline void clear_grads(const std::vector<at::Tensor>& tensors) {
+  for (const auto& t : tensors) t.mutable_grad().reset();
+}
+
+/// Drops the repeats of a tensor within each param group, so that the optimizer steps it once
+/// (a group built on model->parameters() lists tied weights once per name).
+inline void dedupe_param_groups(torch::optim::Optimizer& optimizer) {
+  for (auto& group : optimizer.param_groups()) {
+    auto& params = group.params();
+    if (unique_tensors(params).size() != params.size()) params = unique_tensors(params);
+  }
 }
 
 }  // namespace mixprec::detail

@@ -1,28 +1,12 @@
 #pragma once
-/// FP8 training: MixedFP8<Recipe> is MixedO2<BFloat16> whose mixprec::nn::Float8Linear layers
-/// compute their three matrix products in float8, each operand with its own fp32 scale:
-///
-///   forward      output      = input (e4m3)       @ weight^T (e4m3)
-///   backward     grad_input  = grad_output (e5m2) @ weight   (e4m3)
-///                grad_weight = grad_output^T (e5m2) @ input  (e4m3)
-///
-/// e4m3 (max 448, 3 mantissa bits) for values, e5m2 (max 57344, 2 bits) for gradients, as
-/// torchao and Transformer Engine do. An operand x goes to fp8 as saturate(x * scale), with
-/// scale = fp8_max / amax; the product undoes both scales in fp32 and is rounded once to the
-/// output dtype (bf16), the bias added after. The rest of the model computes in bf16, with fp32
-/// master weights and no loss scaler (the per-tensor scales do its job). Declare the linear
-/// layers that should run in fp8 as mixprec::nn::Float8Linear (torch::nn::Linear's parameters,
-/// initialization and state_dict keys; under other policies it computes as mixprec::nn::Linear):
+/// mixprec::nn::Float8Linear and the autograd Function of its three fp8 products (the recipes and
+/// the MixedFP8 policy are recipes.hpp, the quantization quantize.hpp; the top of recipes.hpp
+/// says what fp8 training computes):
 ///
 ///   struct Block : torch::nn::Module {
 ///     mixprec::nn::Float8Linear fc1{512, 2048}, fc2{2048, 512};
 ///     ...
 ///   };
-///   mixprec::Trainer<mixprec::MixedFP8<>> trainer(model, optimizer);            // tensorwise
-///   mixprec::Trainer<mixprec::MixedFP8<mixprec::DelayedScaling<>>> delayed(...);  // TE's recipe
-///
-/// A precision map keeps chosen layers out of fp8 (`.add("head", Precision::low)`: bf16), as
-/// torchao's module_filter_fn does. docs/fp8.md has the formats, recipes and numerics.
 ///
 /// The matrix products: on CUDA, at::_scaled_mm where every dimension is a multiple of 16
 /// (cuBLASLt's rule); elsewhere, and on the CPU, emulated as torchao's emulate=True does (the fp8
@@ -31,10 +15,12 @@
 /// ~12,000x fp32's time on a Xeon (docs/fp8.md).
 
 #include <mixprec/core/compat.hpp>
+#include <mixprec/fp8/quantize.hpp>
+#include <mixprec/fp8/recipes.hpp>
 #include <mixprec/core/autograd_function.hpp>
 #include <mixprec/precision/model_cast.hpp>
 #include <mixprec/core/error.hpp>
-#include <mixprec/nn/conv.hpp>
+#include <mixprec/nn/linear.hpp>
 #include <mixprec/core/policy.hpp>
 #include <mixprec/precision/precision_map.hpp>
 
@@ -62,141 +48,7 @@
 
 namespace mixprec {
 
-/// Dynamic tensorwise scaling (torchao's default): each operand's scale from its own amax, at
-/// each use. Nothing to keep between steps; an outlier in a tensor coarsens that tensor only.
-struct TensorwiseScaling {
-  static constexpr bool delayed = false;
-  static constexpr int history = 0;
-  static constexpr int margin = 0;
-  static constexpr std::string_view policy_name = "MixedFP8<TensorwiseScaling>";
-};
-
-/// Delayed scaling (Transformer Engine's DelayedScaling, amax_compute_algo "max"): each operand
-/// of each layer keeps the amaxes of its last `History` optimizer steps; a step uses the scale
-/// fp8_max / max(history) / 2^Margin computed after the step before (1 until a nonzero amax was
-/// seen), so values beyond the history's range saturate at fp8_max. An inf/NaN amax skips the
-/// step, and the history does not take it.
-template <int History = 16, int Margin = 0>
-struct DelayedScaling {
-  static_assert(History >= 1, "mixprec: DelayedScaling's History must be at least 1");
-  static_assert(Margin >= 0 && Margin < 64, "mixprec: DelayedScaling's Margin must be in [0, 64)");
-  static constexpr bool delayed = true;
-  static constexpr int history = History;
-  static constexpr int margin = Margin;
-  static constexpr std::string_view policy_name = "MixedFP8<DelayedScaling>";
-};
-
 namespace detail {
-template <class R>
-inline constexpr bool fp8_recipe = requires {
-  typename std::bool_constant<R::delayed>;
-  typename std::integral_constant<int, R::history>;
-  typename std::integral_constant<int, R::margin>;
-};
-}  // namespace detail
-
-/// MixedO2<BFloat16> with its Float8Linear layers in fp8 (see the top of this header).
-/// Needs LibTorch >= 2.5 (has_fp8): under 1.13 naming it fails to compile.
-template <class Recipe = TensorwiseScaling>
-struct MixedFP8 : MixedO2<at::BFloat16> {
-  static_assert(has_fp8 || detail::dependent_false<Recipe>,
-                "mixprec: MixedFP8 needs LibTorch >= 2.5 (the float8 dtypes and at::_scaled_mm); "
-                "this LibTorch is older: use mixprec::MixedO2<at::BFloat16>");
-  static_assert(detail::fp8_recipe<Recipe>,
-                "mixprec: MixedFP8's recipe must be mixprec::TensorwiseScaling or "
-                "mixprec::DelayedScaling<History, Margin>");
-  static constexpr std::string_view name = Recipe::policy_name;
-  using recipe = Recipe;  // MixedO2<BFloat16>'s settings otherwise (its scaler: NoScaler)
-};
-
-/// The three operands of a Float8Linear, in the order of Fp8Operands.
-enum class Fp8Role { input, weight, grad_output };
-
-/// One operand in fp8: `data` (e4m3 or e5m2) is saturate(x * scale); `scale` a 0-dim fp32.
-struct Fp8Tensor {
-  at::Tensor data;
-  at::Tensor scale;
-};
-
-/// A layer's fp8 operands of one training step (Float8LinearImpl::keep_operands), for checking
-/// against another implementation.
-struct Fp8Operands {
-  Fp8Tensor input, weight, grad_output;
-};
-
-namespace detail {
-
-inline c10::ScalarType fp8_dtype(Fp8Role role) {
-  return role == Fp8Role::grad_output ? float8_e5m2 : float8_e4m3;
-}
-inline double fp8_max(Fp8Role role) { return role == Fp8Role::grad_output ? 57344.0 : 448.0; }
-inline const char* role_name(Fp8Role role) {
-  return role == Fp8Role::input ? "input" : role == Fp8Role::weight ? "weight" : "grad_output";
-}
-
-/// fp8_max / amax / 2^margin, computed in fp64 and rounded to fp32 (as torchao), with amax
-/// clamped to 1e-12 (an all-zero tensor gets a large finite scale, not inf).
-inline at::Tensor scale_from_amax(const at::Tensor& amax, double max, int margin = 0) {
-  auto scale = max / amax.to(at::kDouble).clamp_min(1e-12);
-  if (margin != 0) scale = scale / static_cast<double>(std::int64_t{1} << margin);
-  return scale.to(at::kFloat);
-}
-
-/// max |x| as a 0-dim fp32 tensor (NaN if x holds one), in one pass over x.
-inline at::Tensor abs_max(const at::Tensor& x) {
-  const auto [low, high] = at::aminmax(x);
-  return at::maximum(low.abs(), high.abs()).to(at::kFloat);
-}
-
-/// saturate(x * scale) in fp8: the product in fp32, clamped to +-fp8_max (NaN stays NaN), rounded
-/// to nearest even.
-inline Fp8Tensor quantize(const at::Tensor& x, const at::Tensor& scale, Fp8Role role) {
-  const double max = fp8_max(role);
-  auto scaled = x.scalar_type() == at::kFloat ? x * scale : x.to(at::kFloat).mul_(scale);
-  return {scaled.clamp_(-max, max).to(fp8_dtype(role)), scale};
-}
-
-/// x8 / scale in fp32, in x8's layout: what torchao's emulation computes (x8.float() / scale). On
-/// the CPU through a table of the 256 codes, each divided once by the scale (every code is exact
-/// in fp32, so the values are the same): one read per element, where LibTorch's fp8-to-fp32
-/// conversion and the division took 4x an fp32 product's overhead at 1024^2 (bench_fp8).
-inline at::Tensor dequantize(const Fp8Tensor& x) {
-  const auto& data = x.data;
-  if (!data.device().is_cpu()) return data.to(at::kFloat) / x.scale;
-  if (!data.is_contiguous()) {
-    if (data.dim() == 2 && data.t().is_contiguous()) return dequantize({data.t(), x.scale}).t();
-    return dequantize({data.contiguous(), x.scale});
-  }
-  std::array<float, 256> values{};
-  const float scale = x.scale.item<float>();
-  for (int code = 0; code < 256; ++code) {
-    values[code] = float8_value(data.scalar_type(), static_cast<std::uint8_t>(code)) / scale;
-  }
-  auto out = at::empty(data.sizes(), data.options().dtype(at::kFloat));
-  const auto* in = static_cast<const std::uint8_t*>(data.data_ptr());
-  auto* result = out.data_ptr<float>();
-  at::parallel_for(0, data.numel(), 1 << 16, [&](std::int64_t begin, std::int64_t end) {
-    for (std::int64_t i = begin; i < end; ++i) result[i] = values[in[i]];
-  });
-  return out;
-}
-
-/// a @ b / (scale_a * scale_b) in out_dtype, for a [M, K] and b [K, N] in any layout.
-inline at::Tensor fp8_mm(const Fp8Tensor& a, const Fp8Tensor& b, c10::ScalarType out_dtype) {
-  const bool aligned = a.data.size(0) % 16 == 0 && a.data.size(1) % 16 == 0 &&
-                       b.data.size(1) % 16 == 0;
-  if (a.data.is_cuda() && aligned) {
-    // cuBLASLt: the first operand row-major, the second column-major.
-    const auto row_major = a.data.is_contiguous() ? a.data : a.data.contiguous();
-    const auto column_major = b.data.t().is_contiguous() ? b.data : b.data.t().contiguous().t();
-    return scaled_mm(row_major, column_major, a.scale.reciprocal(), b.scale.reciprocal(), out_dtype);
-  }
-  // Emulated as torchao's emulate=True and LibTorch's CPU _scaled_mm without oneDNN do: the
-  // operands dequantized to fp32 (x8 / scale, one rounding each), an fp32 product, one rounding
-  // to out_dtype. _scaled_mm on a GPU applies the scales after the fp32 sum instead: the
-  // difference is the rounding of the dequantized operands, 2^-24 relative.
-  return at::mm(dequantize(a), dequantize(b)).to(out_dtype);
-}
 
 /// The fp8 state of one Float8Linear under one Trainer: per operand, the amax of the step in
 /// progress and, for delayed scaling, the amax history and the scale it gives.

@@ -1,14 +1,14 @@
 #pragma once
 // What survives a restart: a Trainer's checkpoint format (written; read and checked without
-// changing anything; then applied), the RNG states it carries (shared with advise), and the
-// data-parallel vote around writing and reading it. The export of the fp32 weights is
-// fp32_export.hpp.
+// changing anything; then applied) and the file around it. Data parallel's part (every rank's
+// RNG state, sharded state consolidated, the vote) is ranks.hpp; the fp32 export fp32_export.hpp.
 
 #include <mixprec/io/atomic_file.hpp>
 #include <mixprec/io/checkpoint_file.hpp>
 #include <mixprec/trainer/fp32_export.hpp>
 #include <mixprec/trainer/policy_identity.hpp>
 #include <mixprec/core/rng_states.hpp>
+#include <mixprec/trainer/ranks.hpp>
 #include <mixprec/optim/sharded_state.hpp>
 #include <mixprec/distributed/step_group.hpp>
 #include <mixprec/core/error.hpp>
@@ -63,43 +63,6 @@ inline std::optional<bool> amsgrad_of(const torch::optim::OptimizerOptions& opti
   return std::nullopt;
 }
 
-/// The CPU random stream of a rank that a checkpoint did not have (a run resumed on more ranks
-/// than it was saved with): a generator seeded with splitmix64(d ^ rank), where d is the first
-/// 64-bit draw of rank 0's saved stream. Distinct for every rank, the same on every resume.
-inline at::Tensor derived_rng_state(const at::Tensor& rank0_state, int rank) {
-  auto rank0 = at::make_generator<at::CPUGeneratorImpl>();
-  rank0.set_state(rank0_state);
-  std::uint64_t z =
-      rank0.get<at::CPUGeneratorImpl>()->random64() ^ static_cast<std::uint64_t>(rank);
-  z += 0x9e3779b97f4a7c15ULL;  // splitmix64's finaliser
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
-  z ^= z >> 31;
-  return at::make_generator<at::CPUGeneratorImpl>(z).get_state();
-}
-
-/// Data parallel: every rank's CPU RNG state, and CUDA's of its model's device, in rank order.
-struct RankRngs {
-  std::vector<at::Tensor> cpu, cuda;
-};
-
-// Collective; one process: none (the checkpoint holds this process's own).
-inline RankRngs gather_rngs(StepGroup* group) {
-  if (group == nullptr) return {};
-  RankRngs rngs;
-  rngs.cpu = group->all_gather(cpu_rng_state().to(group->device()));
-  if (group->device().is_cuda()) {
-    auto generator = cuda_generator(static_cast<std::size_t>(group->device().index()));
-    at::Tensor state;
-    {
-      std::lock_guard<std::mutex> lock(generator.mutex());
-      state = generator.get_state();
-    }
-    rngs.cuda = group->all_gather(state.to(group->device()));
-  }
-  return rngs;
-}
-
 /// The counters a checkpoint keeps.
 struct TrainerCounters {
   std::int64_t steps = 0;          // optimizer steps taken or skipped
@@ -116,40 +79,6 @@ struct CheckpointParts {
   StepGroup* data_parallel;   // null: one process
   bool fused_optimizer;
 };
-
-/// Sharded data parallel: the optimizer (and masters) an unsharded Trainer would hold, over full
-/// tensors, so that a checkpoint is the same whatever the world size or sharding: written from
-/// it, read into it and then scattered to the ranks' pieces.
-struct ConsolidatedState {
-  std::unique_ptr<torch::optim::Optimizer> optimizer;
-  std::optional<MasterWeights> masters;
-  const MasterWeights* masters_or_null() const { return masters ? &*masters : nullptr; }
-};
-
-/// The consolidated view of a sharded `group` training `optimizer`: with masters (MixedO2)
-/// made from every rank's pieces where `values` (else of undefined value, for a load to fill),
-/// and every rank's optimizer state where `state`. Collective when either is true.
-inline ConsolidatedState consolidate(StepGroup& group, const torch::optim::Optimizer& optimizer,
-                                     bool master_weights, bool values, bool state) {
-  ConsolidatedState view;
-  const auto groups = group.sharded_groups();
-  view.optimizer = optimizer_like(optimizer, groups);
-  if (master_weights) {
-    const auto gathered = values ? group.gather_values() : std::vector<std::vector<at::Tensor>>{};
-    std::vector<at::Tensor> params, fp32_values;
-    for (std::size_t g = 0; g < groups.size(); ++g) {
-      for (std::size_t j = 0; j < groups[g].size(); ++j) {
-        params.push_back(groups[g][j]);
-        fp32_values.push_back(values ? gathered[g][j]
-                                     : at::empty(groups[g][j].sizes(),
-                                                 groups[g][j].options().dtype(at::kFloat)));
-      }
-    }
-    view.masters.emplace(params, fp32_values, *view.optimizer);
-  }
-  if (state) group.gather_state(*view.optimizer);
-  return view;
-}
 
 inline void check_user_values(const UserValues& user) {
   for (const auto& [key, value] : user) {
@@ -470,44 +399,6 @@ UserValues checked_or_error(const std::string& source, Read&& read) {
     throw;
   } catch (const std::exception& e) {  // c10::Error, or torch::jit::ErrorReport, which is not
     fail("checkpoint '", source, "' does not fit this trainer: ", message_of(e));
-  }
-}
-
-// Data parallel: rank 0 runs `write`; every rank throws if it failed (rank 0 its own Error).
-template <class Write>
-void write_on_rank0(StepGroup* group, const std::string& path, Write&& write) {
-  if (group == nullptr) return write();
-  std::exception_ptr failure;
-  if (group->rank() == 0) {
-    try {
-      write();
-    } catch (...) {
-      failure = std::current_exception();
-    }
-  }
-  const bool failed = group->any(failure != nullptr);
-  if (failure) std::rethrow_exception(failure);
-  MIXPREC_CHECK(!failed, "rank ", group->rank(), ": rank 0 could not write checkpoint '", path,
-                "' (its Error says why)");
-}
-
-// Data parallel: `load(commit)` reads and checks, then calls commit(), which returns only if
-// every rank could; after it, `load` changes the trainer. Any rank that fails, fails them all.
-template <class Load>
-UserValues voted_load(StepGroup* group, const std::string& source, Load&& load) {
-  bool voted = false;  // whether this rank has said if it can load
-  auto commit = [&] {
-    if (group == nullptr) return;
-    voted = true;
-    MIXPREC_CHECK(!group->any(false), "rank ", group->rank(), ": another rank could not load "
-                  "checkpoint '", source, "' (its Error says why); nothing was changed on any "
-                  "rank");
-  };
-  try {
-    return load(commit);
-  } catch (...) {
-    if (group != nullptr && !voted) (void)group->any(true);
-    throw;
   }
 }
 

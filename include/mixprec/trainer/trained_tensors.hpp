@@ -10,6 +10,7 @@
 #include <mixprec/precision/model_cast.hpp>
 #include <mixprec/distributed/step_group.hpp>
 #include <mixprec/core/tensor_set.hpp>
+#include <mixprec/trainer/gradient_hold.hpp>
 #include <mixprec/trainer/setup.hpp>
 
 #include <ATen/ATen.h>
@@ -201,36 +202,15 @@ class TrainedTensors {
   /// after each optimizer step too: a stray optimizer.step() of the user's (the habit of
   /// Python's `scaler.step(opt)`) then finds no gradient to apply a second time.
   void clear_grads(const torch::optim::Optimizer& optimizer) {
-    held_.clear();
-    detail::clear_grads(params_);
-    for (const auto& group : optimizer.param_groups()) detail::clear_grads(group.params());
-    if (masters_) detail::clear_grads(masters_->masters());
+    held_.clear(params_, optimizer, masters());
   }
-
   /// The model tensors' gradients only.
   void clear_model_grads() const { detail::clear_grads(params_); }
-
-  /// Between the micro-batches of an accumulation the partial sums are held here, out of the
-  /// tensors' .grad(), where an optimizer.step() outside the Trainer would apply them; release()
-  /// puts them back before the next backward pass adds to them. Moves handles, copies nothing.
+  /// Between micro-batches: the partial sums out of reach of an optimizer (GradientHold).
   void hold_grads(const torch::optim::Optimizer& optimizer) {
-    const auto hold = [this](const at::Tensor& t) {
-      if (!t.grad().defined()) return;
-      held_.emplace_back(t, t.grad());
-      t.mutable_grad().reset();
-    };
-    for (const auto& p : params_) hold(p);
-    for (const auto& group : optimizer.param_groups()) {
-      for (const auto& p : group.params()) hold(p);
-    }
-    if (masters_) {
-      for (const auto& m : masters_->masters()) hold(m);
-    }
+    held_.hold(params_, optimizer, masters());
   }
-  void release_grads() {
-    for (auto& [tensor, grad] : held_) tensor.mutable_grad() = std::move(grad);
-    held_.clear();
-  }
+  void release_grads() { held_.release(); }
 
   /// The name of a model parameter that has a gradient, or empty: after loss_fn, with every
   /// gradient cleared or held before it, one means that loss_fn ran a backward pass itself.
@@ -272,63 +252,6 @@ class TrainedTensors {
     }
     group.bind(params, holders);
     trainable_ = std::move(trainable);
-  }
-
-  /// fp16's view of the gradients, per parameter or name prefix, still scaled: in the masters'
-  /// gradients where they hold them at the end of the backward pass (`in_masters`: MixedO2
-  /// with accumulation or data parallel), else in the model's.
-  GradientStats gradient_stats(const torch::nn::Module& model, std::int64_t step, double scale,
-                               std::int64_t group_depth, bool in_masters) const {
-    std::vector<std::string> names;
-    std::vector<at::Tensor> grads;
-    for (const auto& [name, p] : unique_named(model.named_parameters())) {
-      const auto master = in_masters && masters_ ? masters_->master_of(p) : at::Tensor();
-      const auto grad = master.defined() ? master.grad() : p.grad();
-      if (!grad.defined()) continue;
-      names.push_back(name_prefix(name, group_depth));
-      grads.push_back(grad);
-    }
-    auto ranges = gradient_ranges(grads, scale);
-    for (std::size_t i = 0; i < ranges.size(); ++i) ranges[i].name = std::move(names[i]);
-    GradientStats stats;
-    stats.step = step;
-    stats.scale = scale;
-    stats.entries = merge_ranges(std::move(ranges));
-    return stats;
-  }
-
-  /// A skipped step's second pass: which of the loss and the gradients held inf/NaN. After the
-  /// unscale pass a non-finite gradient is still non-finite, in the model's gradient and, under
-  /// MixedO2, in the master's: both are read.
-  Overflow find_overflow(const torch::nn::Module& model, const at::Tensor& losses,
-                         bool data_parallel) const {
-    Overflow overflow;
-    overflow.loss = losses.defined() && !std::isfinite(losses.item<double>());
-    std::vector<std::string> names;
-    std::vector<at::Tensor> grads;
-    std::vector<std::size_t> owner;  // index into names of each gradient read
-    for (const auto& [name, p] : unique_named(model.named_parameters())) {
-      const auto master = masters_ ? masters_->master_of(p) : at::Tensor();
-      bool has_grad = false;
-      for (const auto& grad : {p.grad(), master.defined() ? master.grad() : at::Tensor()}) {
-        if (!grad.defined()) continue;
-        owner.push_back(names.size());
-        grads.push_back(grad);
-        has_grad = true;
-      }
-      overflow.checked += has_grad ? 1 : 0;
-      names.push_back(name);
-    }
-    const auto flags = non_finite_flags(grads);
-    std::vector<bool> bad(names.size(), false);
-    for (std::size_t i = 0; i < flags.size(); ++i) bad[owner[i]] = bad[owner[i]] || flags[i];
-    for (std::size_t i = 0; i < names.size(); ++i) {
-      if (!bad[i]) continue;
-      ++overflow.param_count;
-      if (overflow.params.size() < Overflow::max_names) overflow.params.push_back(names[i]);
-    }
-    overflow.other_rank = data_parallel && !overflow.loss && overflow.param_count == 0;
-    return overflow;
   }
 
  private:
@@ -400,7 +323,7 @@ class TrainedTensors {
   std::vector<TensorId> bound_;              // the optimizer's tensors, as bound
   std::vector<std::size_t> bound_ends_;      // each group's end in bound_
   std::vector<const void*> bound_options_;   // each group's options object
-  std::vector<std::pair<at::Tensor, at::Tensor>> held_;  // hold_grads(): (tensor, gradient)
+  GradientHold held_;                        // the partial sums between micro-batches
   std::optional<MasterWeights> masters_;     // MixedO2
   std::vector<c10::DeviceType> device_types_;
   std::vector<TensorId> trainable_;          // the tensors data parallel averages (bind)

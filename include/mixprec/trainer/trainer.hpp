@@ -17,41 +17,30 @@
 
 #include <mixprec/core/autocast.hpp>
 #include <mixprec/core/concepts.hpp>
-#include <mixprec/fp8/layers.hpp>
-#include <mixprec/distributed/step_group.hpp>
-#include <mixprec/trainer/trained_tensors.hpp>
-#include <mixprec/trainer/setup.hpp>
-#include <mixprec/trainer/state.hpp>
-#include <mixprec/scaling/unscale.hpp>
-#include <mixprec/diagnostics/non_finite.hpp>
 #include <mixprec/core/error.hpp>
-#include <mixprec/fp8/linear.hpp>
-#include <mixprec/optim/fused_adam.hpp>
-#include <mixprec/optim/master_weights.hpp>
 #include <mixprec/core/policy.hpp>
+#include <mixprec/diagnostics/non_finite.hpp>
+#include <mixprec/distributed/step_group.hpp>
+#include <mixprec/fp8/layers.hpp>
+#include <mixprec/precision/own_outputs.hpp>
 #include <mixprec/scaling/scalers.hpp>
+#include <mixprec/trainer/checkpoints.hpp>
+#include <mixprec/trainer/gradient_reports.hpp>
+#include <mixprec/trainer/optimizer_step.hpp>
 #include <mixprec/trainer/options.hpp>
+#include <mixprec/trainer/setup.hpp>
+#include <mixprec/trainer/trained_tensors.hpp>
 
 #include <ATen/ATen.h>
-#include <ATen/autocast_mode.h>
 #include <ATen/core/grad_mode.h>
 #include <torch/nn/module.h>
 #include <torch/nn/pimpl.h>
 #include <torch/optim/optimizer.h>
-#include <torch/ordered_dict.h>
-#include <torch/serialize.h>
-#include <torch/serialize/archive.h>
 
-#include <cmath>
-#include <exception>
 #include <concepts>
 #include <cstdint>
-#include <functional>
 #include <memory>
 #include <optional>
-#include <string>
-#include <string_view>
-#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -59,7 +48,7 @@ namespace mixprec {
 
 /// Trains `model` with `optimizer` under precision policy P (see policy.hpp).
 template <class P>
-class Trainer {
+class Trainer : public detail::TrainerCheckpoints<P> {
   static_assert(require_policy<P>);
   static_assert(LossScaler<typename P::scaler_type>,
                 "mixprec: the policy's scaler_type must satisfy mixprec::LossScaler: "
@@ -191,86 +180,9 @@ class Trainer {
     return s;
   }
 
-  /// Writes model, optimizer (state and param-group options), scaler, master weights, counters
-  /// and the RNG states (CPU, and each CUDA device's) to `path` atomically, with a checksum that
-  /// load() verifies. Call between optimizer steps, not in the middle of an accumulation.
-  /// Data parallel: every rank calls it; rank 0 writes (with every rank's CPU RNG state) and
-  /// the others return once it has, with its Error if it failed.
-  /// `user` goes into the same file (the epoch, the position in the data: anything an IValue
-  /// holds), and load() returns it.
-  /// Sharded (DistributedOptions::shard_optimizer_state): the same file as unsharded data
-  /// parallel writes, whatever the world size: every rank gathers the optimizer state and the
-  /// masters of all ranks first (for the time of the save, the memory of an unsharded run).
-  void save(const std::string& path, const UserValues& user = {}) const {
-    check_saveable(user);
-    const auto rngs = detail::gather_rngs(data_parallel_.get());
-    const auto view = consolidated(/*values=*/true, /*state=*/true);
-    detail::write_on_rank0(data_parallel_.get(), path, [&] {
-      detail::write_state_file(path, [&](auto& archive) { write(archive, rngs, user, view); });
-    });
-  }
-
-  /// Restores a checkpoint written by save() of a Trainer of the same policy, model and
-  /// optimizer: the optimizer's state and param-group options become the saved ones exactly,
-  /// and an accumulation in progress is discarded. Anything else (a missing, truncated,
-  /// corrupted or foreign file; another model or optimizer) throws mixprec::Error and changes
-  /// nothing, but for a param group added since the last step: that is adopted first, as the
-  /// next step() would adopt it. Data parallel: every rank loads the file (rank 0's path on a
-  /// shared file system); if any rank cannot, every rank throws and none changes. Returns the
-  /// user values saved with it (none: empty). Sharded: any checkpoint of the same model and
-  /// optimizer, written at any world size, sharded or not; each rank keeps its slices of it.
-  UserValues load(const std::string& path) {
-    return load_with(path, [&](auto& commit) {
-      auto archive = detail::read_state_file(path);
-      return load_checked(archive, path, commit);
-    });
-  }
-
-  /// save() into an archive of the caller's (LibTorch's composition: `torch::save(trainer,
-  /// path)` and `archive << trainer` go through here): the same contents, without the atomic
-  /// file and its checksum, which the caller's archive does not have. Data parallel: every rank
-  /// calls it, and every rank's archive holds all ranks' RNG states.
-  void save(torch::serialize::OutputArchive& archive, const UserValues& user = {}) const {
-    check_saveable(user);
-    const auto rngs = detail::gather_rngs(data_parallel_.get());
-    const auto view = consolidated(/*values=*/true, /*state=*/true);
-    try {
-      write(archive, rngs, user, view);
-    } catch (const Error&) {
-      throw;
-    } catch (const std::exception& e) {
-      detail::fail("cannot write the checkpoint archive: ", detail::message_of(e));
-    }
-  }
-
-  /// load() from an archive of the caller's (`torch::load(trainer, path)`, `archive >> trainer`).
-  UserValues load(torch::serialize::InputArchive& archive) {
-    return load_with("the archive", [&](auto& commit) {
-      return load_checked(archive, "the archive", commit);
-    });
-  }
-
-  /// The fp32 weights of the model by state_dict name: the masters under MixedO2 (not their
-  /// rounding in the model), the parameters cast to fp32 otherwise, and the buffers (floating
-  /// ones in fp32). What an fp32 model for inference or another framework takes.
-  /// Sharded: gathered from every rank's masters; collective (every rank calls it).
-  torch::OrderedDict<std::string, at::Tensor> fp32_state_dict() const {
-    const auto view = consolidated(/*values=*/true, /*state=*/false);
-    return detail::fp32_state_dict(*model_, masters_of(view));
-  }
-
-  /// Writes fp32_state_dict() to `path` atomically: WeightsFormat::libtorch as Module::save
-  /// writes a model, so that `torch::load(fp32_model, path)` reads it into a model of the same
-  /// architecture built in fp32; WeightsFormat::pickle as a tuple of (name, tensor) pairs, which
-  /// Python reads with `model.load_state_dict(dict(torch.load(path)))`.
-  /// Sharded: collective, as fp32_state_dict().
-  void save_fp32(const std::string& path, WeightsFormat format = WeightsFormat::libtorch) const {
-    check_not_busy("save_fp32");
-    const auto view = consolidated(/*values=*/true, /*state=*/false);
-    detail::save_fp32(path, format, *model_, masters_of(view));
-  }
-
  private:
+  friend class detail::TrainerCheckpoints<P>;
+
   // step() once loss_fn is known to return a loss.
   template <class LossFn>
   StepReport run_step(LossFn& loss_fn) {
@@ -355,73 +267,34 @@ class Trainer {
     pending_ = 0;
     const auto every = options_.gradient_stats().every();
     if (every > 0 && (counters_.steps + 1) % every == 0) {
-      report.gradient_stats = tensors_.gradient_stats(
-          *model_, counters_.steps + 1, report.scale, options_.gradient_stats().group_depth(),
+      report.gradient_stats = detail::gradient_stats(
+          *model_, masters, counters_.steps + 1, report.scale,
+          options_.gradient_stats().group_depth(),
           /*in_masters=*/n > 1 || data_parallel_);
       gradient_stats_ = report.gradient_stats;
     }
-    detail::UnscalePlan unscale;
-    unscale.max_grad_norm(options_.max_grad_norm());
-    if (masters && n == 1 && !data_parallel_) {
-      unscale.grads_from(masters->grad_sources());  // else in place
-    }
-    if (data_parallel_) {
-      unscale.agree([this](at::Tensor& found) { data_parallel_->agree_step(found, calls_); });
-      if (tensors_.sharded()) {
-        unscale.collective_on(data_parallel_->device());
-        unscale.sum_over_ranks([this](double& sum_of_squares, bool& non_finite) {
-          data_parallel_->sum_over_shards(sum_of_squares, non_finite);
-        });
-      }
-    }
-    // A NaN loss can have finite gradients. On the CPU the check is a read of one float; on a
-    // device it joins the gradients' inf check, without a synchronisation.
-    at::Tensor also_check;
-    if (!loss_sum_.device().is_cpu() || !std::isfinite(loss_sum_.item<double>())) {
-      also_check = loss_sum_;
-    }
-    // fp8: an inf/NaN amax skips the step (a saturating cast would have hidden an inf).
-    if (const auto amaxes = fp8_.pending_amaxes(); amaxes.defined()) {
-      also_check = also_check.defined()
-                       ? at::cat({also_check.reshape({-1}).to(amaxes.options()), amaxes})
-                       : amaxes;
-    }
-    if (also_check.defined()) unscale.also_check(also_check);
     const auto losses = std::move(loss_sum_);
     loss_sum_ = at::Tensor();
-    bool stepped = false;
+    const auto plan = detail::plan_unscale(options_, masters, n, data_parallel_.get(), calls_,
+                                           losses, fp8_.pending_amaxes());
+    detail::OptimizerStep done;
     try {
-      if (options_.fused_optimizer()) {
-        const auto result = engine_.step_fused(*optimizer_, unscale, [this](const at::Tensor& scale) {
-          fused_adam_step(*optimizer_, scale);
-        });
-        report.grad_norm = result.grad_norm;
-        stepped = result.stepped;
-      } else {
-        report.grad_norm = engine_.unscale_planned(*optimizer_, unscale);
-        stepped = engine_.step(*optimizer_);
-      }
+      done = detail::take_optimizer_step(engine_, *optimizer_, plan, options_.fused_optimizer());
     } catch (...) {
-      engine_.reset_stages();  // leave the step usable for the next one
       fp8_.finish_step(/*stepped=*/false);
       throw;
     }
-    engine_.reset_stages();
+    const bool stepped = done.stepped;
+    report.grad_norm = done.grad_norm;
     scaler_.update_scale(/*found_inf=*/!stepped);
     fp8_.finish_step(stepped);
-    if (stepped) {
-      if (masters) masters->copy_to_model();
-      // Sharded: each rank stepped its slices; every rank's model gets all of them. A peer lost
-      // here leaves this rank's slices stepped and its model not: restore from a checkpoint.
-      if (tensors_.sharded()) data_parallel_->gather_parameters();
-      // The weights changed: casts cached by an enclosing autocast scope are stale now.
-      at::autocast::clear_cache();
-    }
+    if (stepped) detail::after_step_taken(masters, data_parallel_.get());
     ++counters_.steps;
     consecutive_skips_ = stepped ? 0 : consecutive_skips_ + 1;
     if (!stepped) {
       ++counters_.skipped_steps;
-      report.overflow = tensors_.find_overflow(*model_, losses, data_parallel_ != nullptr);
+      report.overflow =
+          detail::find_overflow(*model_, masters, losses, data_parallel_ != nullptr);
     }
     report.status = stepped ? StepStatus::stepped : StepStatus::skipped;
     report.step = counters_.steps;
@@ -435,77 +308,11 @@ class Trainer {
   }
 
 
-  // Sharded: the optimizer and masters of an unsharded trainer (detail::consolidate); else none.
-  std::optional<detail::ConsolidatedState> consolidated(bool values, bool state) const {
-    if (!tensors_.sharded()) return std::nullopt;
-    return detail::consolidate(*data_parallel_, *optimizer_, P::master_weights, values, state);
-  }
-
-  const MasterWeights* masters_of(const std::optional<detail::ConsolidatedState>& view) const {
-    return view ? view->masters_or_null() : tensors_.masters();
-  }
-
-  detail::CheckpointParts parts(const std::optional<detail::ConsolidatedState>& view) const {
-    return {detail::policy_identity<P>(), *model_, view ? *view->optimizer : *optimizer_,
-            masters_of(view), data_parallel_.get(), options_.fused_optimizer()};
-  }
-
-  void check_saveable(const UserValues& user) const {
-    check_not_busy("save");
-    MIXPREC_CHECK(pending_ == 0, "save() in the middle of an accumulation (", pending_, " of ",
-                  options_.accumulation_steps(), " micro-batches): save after a step");
-    detail::check_user_values(user);
-  }
-
-  void write(torch::serialize::OutputArchive& archive, const detail::RankRngs& rngs,
-             const UserValues& user,
-             const std::optional<detail::ConsolidatedState>& view) const {
-    detail::write_state(archive, parts(view), counters_, c10::IValue(scaler_.state_dict()),
-                             rngs, user);
-    if constexpr (detail::fp8_policy<P>) archive.write("mixprec.fp8", c10::IValue(fp8_.state_dict()));
-  }
-
-  // load(path) and load(archive): a param group added since the last step (or a new optimizer)
-  // is adopted first, as step() would (the checkpoint of a run that had adopted it holds its
-  // masters and state, which must not be dropped); then the data-parallel vote around
-  // `load_checked_with(commit)`.
-  template <class Load>
-  UserValues load_with(const std::string& source, Load&& load_checked_with) {
-    check_not_busy("load");
-    adopt_optimizer_changes();
-    return detail::voted_load(data_parallel_.get(), source, [&](auto& commit) {
-      return detail::checked_or_error(source, [&] { return load_checked_with(commit); });
-    });
-  }
-
-  // Reads and checks everything (the scaler's state too, in a scaler of its own) before
-  // commit(); then changes the trainer.
-  template <class Commit>
-  UserValues load_checked(torch::serialize::InputArchive& archive, const std::string& source,
-                          Commit& commit) {
-    auto view = consolidated(/*values=*/false, /*state=*/false);
-    auto loaded = detail::read_state(archive, source, parts(view));
-    auto scaler = detail::make_scaler<P>(options_);
-    scaler.load_state_dict(loaded.scaler_state.toGenericDict());
-    std::vector<std::pair<at::Tensor*, at::Tensor>> fp8_state;
-    if constexpr (detail::fp8_policy<P>) {
-      c10::IValue saved;
-      archive.try_read("mixprec.fp8", saved);
-      fp8_state = fp8_.check_state(saved, source, /*recipe_recorded=*/loaded.policy_settings);
-    }
-    commit();  // every rank has read and checked all of it
-    if (view) {  // sharded: read into the full view, then each rank takes its slices
-      detail::apply_state(loaded, *view->optimizer);
-      data_parallel_->scatter_state(*view->optimizer);
-    } else {
-      detail::apply_state(loaded, *optimizer_);
-    }
-    detail::Fp8Layers::apply_state(fp8_state);
-    fp8_.finish_step(/*stepped=*/false);  // an accumulation's amaxes belong to another run
-    scaler_ = std::move(scaler);
-    counters_ = loaded.counters;
-    // Micro-batches accumulated before the load belong to another run: forget their losses
-    // (a NaN among them would skip the next step) and gradients.
+  // load(): the run goes on from the checkpoint's counters. Micro-batches accumulated before
+  // belong to another run: their losses (a NaN among them would skip the next step) and
+  // gradients are forgotten.
+  void restart_from(const detail::TrainerCounters& counters) {
+    counters_ = counters;
     pending_ = 0;
     loss_sum_ = at::Tensor();
     last_graph_ = at::Tensor();
@@ -513,7 +320,6 @@ class Trainer {
     buffers_synced_ = false;
     calls_ = counters_.micro_batches;  // the same on every rank that loaded this checkpoint
     tensors_.clear_grads(*optimizer_);
-    return std::move(loaded.user);
   }
 
   void check_not_busy(const char* call) const {
@@ -586,73 +392,4 @@ class Trainer {
   detail::Fp8Layers fp8_;     // MixedFP8: the layers in fp8, their scaling state; else empty
 };
 
-/// `archive << trainer`, and so `torch::save(trainer, path)`: Trainer::save(archive).
-template <class P>
-torch::serialize::OutputArchive& operator<<(torch::serialize::OutputArchive& archive,
-                                            const Trainer<P>& trainer) {
-  trainer.save(archive);
-  return archive;
-}
-
-/// `archive >> trainer`, and so `torch::load(trainer, path)`: Trainer::load(archive).
-template <class P>
-torch::serialize::InputArchive& operator>>(torch::serialize::InputArchive& archive,
-                                           Trainer<P>& trainer) {
-  trainer.load(archive);
-  return archive;
-}
-
-namespace detail {
-
-// How torch::load/save's arguments name what they read or write: a path, or a stream.
-template <class First, class... Rest>
-std::string archive_source(const First& first, const Rest&...) {
-  if constexpr (std::is_convertible_v<const First&, std::string_view>) {
-    return "'" + std::string(std::string_view(first)) + "'";
-  } else {
-    return "the stream";
-  }
-}
-
-// Runs LibTorch's archive I/O; what it throws about the user's file becomes a mixprec::Error.
-template <class Io>
-void archive_io(const char* call, bool reading, const std::string& source, Io&& io) {
-  try {
-    io();
-  } catch (const Error&) {
-    throw;
-  } catch (const std::exception& e) {
-    fail(call, ": cannot ", reading ? "read " : "write ", source, " as a Trainer "
-         "archive (missing, truncated or corrupt file, or no space): ", message_of(e),
-         "; nothing was changed");
-  }
-}
-
-}  // namespace detail
 }  // namespace mixprec
-
-namespace torch {
-
-/// `torch::load(trainer, path)`: LibTorch's, with a file it cannot read (missing, truncated,
-/// corrupt) a mixprec::Error as Trainer::load(path) gives, the trainer unchanged. More
-/// specialised than LibTorch's template, so overload resolution picks it for a Trainer.
-template <class P, class... LoadFromArgs>
-void load(mixprec::Trainer<P>& trainer, LoadFromArgs&&... args) {
-  serialize::InputArchive archive;
-  mixprec::detail::archive_io("torch::load(trainer, ...)", /*reading=*/true,
-                              mixprec::detail::archive_source(args...),
-                              [&] { archive.load_from(std::forward<LoadFromArgs>(args)...); });
-  archive >> trainer;
-}
-
-/// `torch::save(trainer, path)`: LibTorch's, with a failed write a mixprec::Error.
-template <class P, class... SaveToArgs>
-void save(const mixprec::Trainer<P>& trainer, SaveToArgs&&... args) {
-  serialize::OutputArchive archive(std::make_shared<jit::CompilationUnit>());
-  archive << trainer;
-  mixprec::detail::archive_io("torch::save(trainer, ...)", /*reading=*/false,
-                              mixprec::detail::archive_source(args...),
-                              [&] { archive.save_to(std::forward<SaveToArgs>(args)...); });
-}
-
-}  // namespace torch

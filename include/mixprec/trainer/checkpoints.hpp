@@ -1,0 +1,269 @@
+#pragma once
+// What survives a restart, as the Trainer's own methods: save() and load() to a path (atomic,
+// with a checksum) or an archive of the caller's, the fp32 export, and LibTorch's composition
+// (`archive << trainer`, `torch::save(trainer, path)`, `torch::load(trainer, path)`). Trainer<P>
+// derives from TrainerCheckpoints<P>, which reads its parts through friendship: the format is
+// state.hpp, the data-parallel side ranks.hpp.
+
+#include <mixprec/core/error.hpp>
+#include <mixprec/core/policy.hpp>
+#include <mixprec/fp8/layers.hpp>
+#include <mixprec/io/checkpoint_file.hpp>
+#include <mixprec/trainer/fp32_export.hpp>
+#include <mixprec/trainer/policy_identity.hpp>
+#include <mixprec/trainer/ranks.hpp>
+#include <mixprec/trainer/setup.hpp>
+#include <mixprec/trainer/state.hpp>
+
+#include <torch/ordered_dict.h>
+#include <torch/serialize.h>
+#include <torch/serialize/archive.h>
+
+#include <exception>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+namespace mixprec {
+
+template <class P>
+class Trainer;
+
+namespace detail {
+
+template <class P>
+class TrainerCheckpoints {
+ public:
+  /// Writes model, optimizer (state and param-group options), scaler, master weights, counters
+  /// and the RNG states (CPU, and each CUDA device's) to `path` atomically, with a checksum that
+  /// load() verifies. Call between optimizer steps, not in the middle of an accumulation.
+  /// Data parallel: every rank calls it; rank 0 writes (with every rank's CPU RNG state) and
+  /// the others return once it has, with its Error if it failed.
+  /// `user` goes into the same file (the epoch, the position in the data: anything an IValue
+  /// holds), and load() returns it.
+  /// Sharded (DistributedOptions::shard_optimizer_state): the same file as unsharded data
+  /// parallel writes, whatever the world size: every rank gathers the optimizer state and the
+  /// masters of all ranks first (for the time of the save, the memory of an unsharded run).
+  void save(const std::string& path, const UserValues& user = {}) const {
+    check_saveable(user);
+    const auto rngs = gather_rngs(self().data_parallel_.get());
+    const auto view = consolidated(/*values=*/true, /*state=*/true);
+    write_on_rank0(self().data_parallel_.get(), path, [&] {
+      write_state_file(path, [&](auto& archive) { write(archive, rngs, user, view); });
+    });
+  }
+
+  /// Restores a checkpoint written by save() of a Trainer of the same policy, model and
+  /// optimizer: the optimizer's state and param-group options become the saved ones exactly,
+  /// and an accumulation in progress is discarded. Anything else (a missing, truncated,
+  /// corrupted or foreign file; another model or optimizer) throws mixprec::Error and changes
+  /// nothing, but for a param group added since the last step: that is adopted first, as the
+  /// next step() would adopt it. Data parallel: every rank loads the file (rank 0's path on a
+  /// shared file system); if any rank cannot, every rank throws and none changes. Returns the
+  /// user values saved with it (none: empty). Sharded: any checkpoint of the same model and
+  /// optimizer, written at any world size, sharded or not; each rank keeps its slices of it.
+  UserValues load(const std::string& path) {
+    return load_with(path, [&](auto& commit) {
+      auto archive = read_state_file(path);
+      return load_checked(archive, path, commit);
+    });
+  }
+
+  /// save() into an archive of the caller's (LibTorch's composition: `torch::save(trainer,
+  /// path)` and `archive << trainer` go through here): the same contents, without the atomic
+  /// file and its checksum, which the caller's archive does not have. Data parallel: every rank
+  /// calls it, and every rank's archive holds all ranks' RNG states.
+  void save(torch::serialize::OutputArchive& archive, const UserValues& user = {}) const {
+    check_saveable(user);
+    const auto rngs = gather_rngs(self().data_parallel_.get());
+    const auto view = consolidated(/*values=*/true, /*state=*/true);
+    try {
+      write(archive, rngs, user, view);
+    } catch (const Error&) {
+      throw;
+    } catch (const std::exception& e) {
+      fail("cannot write the checkpoint archive: ", message_of(e));
+    }
+  }
+
+  /// load() from an archive of the caller's (`torch::load(trainer, path)`, `archive >> trainer`).
+  UserValues load(torch::serialize::InputArchive& archive) {
+    return load_with("the archive", [&](auto& commit) {
+      return load_checked(archive, "the archive", commit);
+    });
+  }
+
+  /// The fp32 weights of the model by state_dict name: the masters under MixedO2 (not their
+  /// rounding in the model), the parameters cast to fp32 otherwise, and the buffers (floating
+  /// ones in fp32). What an fp32 model for inference or another framework takes.
+  /// Sharded: gathered from every rank's masters; collective (every rank calls it).
+  torch::OrderedDict<std::string, at::Tensor> fp32_state_dict() const {
+    const auto view = consolidated(/*values=*/true, /*state=*/false);
+    return detail::fp32_state_dict(*self().model_, masters_of(view));
+  }
+
+  /// Writes fp32_state_dict() to `path` atomically: WeightsFormat::libtorch as Module::save
+  /// writes a model, so that `torch::load(fp32_model, path)` reads it into a model of the same
+  /// architecture built in fp32; WeightsFormat::pickle as a tuple of (name, tensor) pairs, which
+  /// Python reads with `model.load_state_dict(dict(torch.load(path)))`.
+  /// Sharded: collective, as fp32_state_dict().
+  void save_fp32(const std::string& path, WeightsFormat format = WeightsFormat::libtorch) const {
+    self().check_not_busy("save_fp32");
+    const auto view = consolidated(/*values=*/true, /*state=*/false);
+    detail::save_fp32(path, format, *self().model_, masters_of(view));
+  }
+
+ private:
+  const Trainer<P>& self() const { return static_cast<const Trainer<P>&>(*this); }
+  Trainer<P>& self() { return static_cast<Trainer<P>&>(*this); }
+
+  // Sharded: the optimizer and masters of an unsharded trainer (consolidate); else none.
+  std::optional<ConsolidatedState> consolidated(bool values, bool state) const {
+    const auto& t = self();
+    if (!t.tensors_.sharded()) return std::nullopt;
+    return consolidate(*t.data_parallel_, *t.optimizer_, P::master_weights, values, state);
+  }
+
+  const MasterWeights* masters_of(const std::optional<ConsolidatedState>& view) const {
+    return view ? view->masters_or_null() : self().tensors_.masters();
+  }
+
+  CheckpointParts parts(const std::optional<ConsolidatedState>& view) const {
+    const auto& t = self();
+    return {policy_identity<P>(), *t.model_, view ? *view->optimizer : *t.optimizer_,
+            masters_of(view), t.data_parallel_.get(), t.options_.fused_optimizer()};
+  }
+
+  void check_saveable(const UserValues& user) const {
+    const auto& t = self();
+    t.check_not_busy("save");
+    MIXPREC_CHECK(t.pending_ == 0, "save() in the middle of an accumulation (", t.pending_,
+                  " of ", t.options_.accumulation_steps(), " micro-batches): save after a step");
+    check_user_values(user);
+  }
+
+  void write(torch::serialize::OutputArchive& archive, const RankRngs& rngs,
+             const UserValues& user, const std::optional<ConsolidatedState>& view) const {
+    const auto& t = self();
+    write_state(archive, parts(view), t.counters_, c10::IValue(t.scaler_.state_dict()), rngs,
+                user);
+    if constexpr (fp8_policy<P>) archive.write("mixprec.fp8", c10::IValue(t.fp8_.state_dict()));
+  }
+
+  // load(path) and load(archive): a param group added since the last step (or a new optimizer)
+  // is adopted first, as step() would (the checkpoint of a run that had adopted it holds its
+  // masters and state, which must not be dropped); then the data-parallel vote around
+  // `load_checked_with(commit)`.
+  template <class Load>
+  UserValues load_with(const std::string& source, Load&& load_checked_with) {
+    auto& t = self();
+    t.check_not_busy("load");
+    t.adopt_optimizer_changes();
+    return voted_load(t.data_parallel_.get(), source, [&](auto& commit) {
+      return checked_or_error(source, [&] { return load_checked_with(commit); });
+    });
+  }
+
+  // Reads and checks everything (the scaler's state too, in a scaler of its own) before
+  // commit(); then changes the trainer.
+  template <class Commit>
+  UserValues load_checked(torch::serialize::InputArchive& archive, const std::string& source,
+                          Commit& commit) {
+    auto& t = self();
+    auto view = consolidated(/*values=*/false, /*state=*/false);
+    auto loaded = read_state(archive, source, parts(view));
+    auto scaler = make_scaler<P>(t.options_);
+    scaler.load_state_dict(loaded.scaler_state.toGenericDict());
+    std::vector<std::pair<at::Tensor*, at::Tensor>> fp8_state;
+    if constexpr (fp8_policy<P>) {
+      c10::IValue saved;
+      archive.try_read("mixprec.fp8", saved);
+      fp8_state = t.fp8_.check_state(saved, source, /*recipe_recorded=*/loaded.policy_settings);
+    }
+    commit();  // every rank has read and checked all of it
+    if (view) {  // sharded: read into the full view, then each rank takes its slices
+      apply_state(loaded, *view->optimizer);
+      t.data_parallel_->scatter_state(*view->optimizer);
+    } else {
+      apply_state(loaded, *t.optimizer_);
+    }
+    Fp8Layers::apply_state(fp8_state);
+    t.fp8_.finish_step(/*stepped=*/false);  // an accumulation's amaxes belong to another run
+    t.scaler_ = std::move(scaler);
+    t.restart_from(loaded.counters);
+    return std::move(loaded.user);
+  }
+};
+
+// Runs LibTorch's archive I/O; what it throws about the user's file becomes a mixprec::Error.
+template <class Io>
+void archive_io(const char* call, bool reading, const std::string& source, Io&& io) {
+  try {
+    io();
+  } catch (const Error&) {
+    throw;
+  } catch (const std::exception& e) {
+    fail(call, ": cannot ", reading ? "read " : "write ", source, " as a Trainer archive "
+         "(missing, truncated or corrupt file, or no space): ", message_of(e),
+         "; nothing was changed");
+  }
+}
+
+// How torch::load/save's arguments name what they read or write: a path, or a stream.
+template <class First, class... Rest>
+std::string archive_source(const First& first, const Rest&...) {
+  if constexpr (std::is_convertible_v<const First&, std::string_view>) {
+    return "'" + std::string(std::string_view(first)) + "'";
+  } else {
+    return "the stream";
+  }
+}
+
+}  // namespace detail
+
+/// `archive << trainer`, and so `torch::save(trainer, path)`: Trainer::save(archive).
+template <class P>
+torch::serialize::OutputArchive& operator<<(torch::serialize::OutputArchive& archive,
+                                            const Trainer<P>& trainer) {
+  trainer.save(archive);
+  return archive;
+}
+
+/// `archive >> trainer`, and so `torch::load(trainer, path)`: Trainer::load(archive).
+template <class P>
+torch::serialize::InputArchive& operator>>(torch::serialize::InputArchive& archive,
+                                           Trainer<P>& trainer) {
+  trainer.load(archive);
+  return archive;
+}
+
+}  // namespace mixprec
+
+namespace torch {
+
+/// `torch::load(trainer, path)`: LibTorch's, with a file it cannot read (missing, truncated,
+/// corrupt) a mixprec::Error as Trainer::load(path) gives, the trainer unchanged. More
+/// specialised than LibTorch's template, so overload resolution picks it for a Trainer.
+template <class P, class... LoadFromArgs>
+void load(mixprec::Trainer<P>& trainer, LoadFromArgs&&... args) {
+  serialize::InputArchive archive;
+  mixprec::detail::archive_io("torch::load(trainer, ...)", /*reading=*/true,
+                              mixprec::detail::archive_source(args...),
+                              [&] { archive.load_from(std::forward<LoadFromArgs>(args)...); });
+  archive >> trainer;
+}
+
+/// `torch::save(trainer, path)`: LibTorch's, with a failed write a mixprec::Error.
+template <class P, class... SaveToArgs>
+void save(const mixprec::Trainer<P>& trainer, SaveToArgs&&... args) {
+  serialize::OutputArchive archive(std::make_shared<jit::CompilationUnit>());
+  archive << trainer;
+  mixprec::detail::archive_io("torch::save(trainer, ...)", /*reading=*/false,
+                              mixprec::detail::archive_source(args...),
+                              [&] { archive.save_to(std::forward<SaveToArgs>(args)...); });
+}
+
+}  // namespace torch
