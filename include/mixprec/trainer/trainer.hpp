@@ -29,7 +29,7 @@
 #include <mixprec/optim/fused_adam.hpp>
 #include <mixprec/optim/master_weights.hpp>
 #include <mixprec/core/policy.hpp>
-#include <mixprec/scaling/scalers.hpp>
+#include <mixprec/trainer/step_engine.hpp>
 #include <mixprec/trainer/options.hpp>
 
 #include <ATen/ATen.h>
