@@ -7,8 +7,9 @@
 #include <mixprec/distributed/step_group.hpp>
 #include <mixprec/optim/fused_adam.hpp>
 #include <mixprec/optim/master_weights.hpp>
-#include <mixprec/scaling/scalers.hpp>
+#include <mixprec/scaling/grad_passes.hpp>
 #include <mixprec/trainer/options.hpp>
+#include <mixprec/trainer/step_engine.hpp>
 
 #include <ATen/ATen.h>
 #include <ATen/autocast_mode.h>

@@ -27,6 +27,7 @@
 #include <mixprec/trainer/checkpoints.hpp>
 #include <mixprec/trainer/gradient_reports.hpp>
 #include <mixprec/trainer/optimizer_step.hpp>
+#include <mixprec/trainer/step_engine.hpp>
 #include <mixprec/trainer/options.hpp>
 #include <mixprec/trainer/setup.hpp>
 #include <mixprec/trainer/trained_tensors.hpp>
