@@ -23,7 +23,8 @@
 #include <mixprec/trainer/setup.hpp>
 #include <mixprec/trainer/state.hpp>
 #include <mixprec/scaling/unscale.hpp>
-#include <mixprec/diagnostics/non_finite.hpp>
+#include <mixprec/diagnostics/gradient_stats.hpp>
+#include <mixprec/diagnostics/non_finite_op.hpp>
 #include <mixprec/core/error.hpp>
 #include <mixprec/fp8/linear.hpp>
 #include <mixprec/optim/fused_adam.hpp>
