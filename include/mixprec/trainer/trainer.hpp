@@ -19,7 +19,8 @@
 #include <mixprec/core/concepts.hpp>
 #include <mixprec/core/error.hpp>
 #include <mixprec/core/policy.hpp>
-#include <mixprec/diagnostics/non_finite.hpp>
+#include <mixprec/diagnostics/gradient_stats.hpp>
+#include <mixprec/diagnostics/non_finite_op.hpp>
 #include <mixprec/distributed/step_group.hpp>
 #include <mixprec/fp8/layers.hpp>
 #include <mixprec/precision/own_outputs.hpp>
