@@ -9,7 +9,8 @@ ddp_fp32 and ddp_bf16 train with DistributedDataParallel on Gloo ranks (`ddp()`)
 then a prefix: OUTPUT.rankR.txt for each rank R; zero_adamw does the same with DDP and
 ZeroRedundancyOptimizer(AdamW), each step's line starting with the rank's loss. INPUT is a torch::pickle_save dict from the C++ side: the initial weights
 (param.NAME), the data (x, y) and the hyperparameters (steps, batch, lr, momentum, and for fp16
-init_scale, growth_interval). OUTPUT gets one line per step: "loss scale skipped", the loss as
+init_scale, growth_interval). Mode schedule trains with learning-rate schedules (`schedule()`).
+OUTPUT gets one line per step: "loss scale skipped", the loss as
 repr() of the fp32 value, the scale the step used, and 1 when the step was skipped.
 """
 import contextlib
@@ -123,9 +124,76 @@ def ddp(mode, data, prefix):
                                     nprocs=int(data["world"]), join=True)
 
 
+def schedule(data, output_path):
+    """The learning-rate schedules of Python's AMP loop, for the Trainer's lr_scheduler and
+    lr_lambda: SGD over two param groups, two micro-batches per optimizer step (each loss / 2),
+    StepLR(step_size 3, gamma 0.5) or LambdaLR(warm-up, then halving every 5 steps) stepped after
+    every optimizer step, taken or skipped. Configurations (data["configs"]): "KIND_PREC" with
+    PREC fp16 (torch.autocast + GradScaler("cpu"): overflows skip) or fp32 (a step skipped where
+    a gradient is not finite); the micro-batches in data["poison"] have their loss multiplied by
+    inf. OUTPUT: per optimizer step "CONFIG lr0 lr1 scale skipped loss0 loss1", the lrs the
+    step used (before scheduler.step())."""
+    x, y = data["x"], data["y"]
+    steps, batch = int(data["steps"]), int(data["batch"])
+    poison = set(int(i) for i in data["poison"].tolist())
+    weights = {k[len("param."):]: v for k, v in data.items() if k.startswith("param.")}
+    with open(output_path, "w") as out:
+        for config in data["configs"].split(","):
+            kind, prec = config.split("_")
+            model = build_model()
+            model.load_state_dict(weights)
+            first = list(model[0].parameters())
+            rest = [p for p in model.parameters() if all(p is not q for q in first)]
+            optimizer = torch.optim.SGD([{"params": first, "lr": float(data["lr0"])},
+                                         {"params": rest, "lr": float(data["lr1"])}],
+                                        lr=float(data["lr0"]), momentum=0.9, foreach=False)
+            if kind == "step":
+                scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.5)
+            else:
+                scheduler = torch.optim.lr_scheduler.LambdaLR(
+                    optimizer, lambda k: (k + 1) / 4 if k < 4 else 0.5 ** ((k - 4) // 5))
+            scaler = None
+            if prec == "fp16":
+                scaler = torch.amp.GradScaler("cpu", init_scale=float(data["init_scale"]),
+                                              growth_interval=int(data["growth_interval"]))
+            for step in range(steps):
+                lrs = [group["lr"] for group in optimizer.param_groups]
+                losses = []
+                for micro in range(2):
+                    i = 2 * step + micro
+                    start = (i * batch) % x.shape[0]
+                    xb, yb = x[start:start + batch], y[start:start + batch]
+                    # torch 1.13 refuses an fp16 CPU autocast even disabled: none for fp32.
+                    autocast = (torch.autocast("cpu", dtype=torch.float16) if scaler
+                                else contextlib.nullcontext())
+                    with autocast:
+                        loss = torch.nn.functional.cross_entropy(model(xb), yb)
+                    loss = loss.float()
+                    if i in poison:
+                        loss = loss * float("inf")
+                    losses.append(loss.item())
+                    (scaler.scale(loss / 2) if scaler else loss / 2).backward()
+                if scaler is None:
+                    scale = 1.0
+                    skipped = not all(torch.isfinite(p.grad).all() for p in model.parameters())
+                    if not skipped:
+                        optimizer.step()
+                else:
+                    scale = scaler.get_scale()
+                    scaler.step(optimizer)
+                    scaler.update()
+                    skipped = scaler.get_scale() < scale
+                scheduler.step()
+                optimizer.zero_grad()
+                out.write(f"{config} {lrs[0]!r} {lrs[1]!r} {scale!r} {int(skipped)} "
+                          f"{losses[0]!r} {losses[1]!r}\n")
+
+
 def main(mode, input_path, output_path):
     torch.set_num_threads(1)
     data = torch.load(input_path, weights_only=False)
+    if mode == "schedule":
+        return schedule(data, output_path)
     if mode.startswith("branch"):
         return branch(mode, data, output_path)
     if mode.startswith("ddp") or mode.startswith("zero"):

@@ -10,7 +10,9 @@
 
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cmath>
+#include <limits>
 #include <cstdint>
 #include <cstdlib>
 #include <fstream>
@@ -166,6 +168,157 @@ TEST_CASE("parity with PyTorch: MixedO1<BFloat16> vs torch.autocast(bfloat16)") 
 TEST_CASE("parity with PyTorch: MixedO1<Half> vs torch.autocast(float16) + GradScaler(\"cpu\")" *
           doctest::skip(!mp::cpu_half_math)) {
   check_parity<mp::MixedO1<at::Half>>("fp16", std::ldexp(1.0, -11));  // one fp16 ulp
+}
+
+namespace {
+
+// One optimizer step of the schedule parity: the lrs it used, its scale and skip, the losses of
+// its two micro-batches.
+struct ScheduleStep {
+  double lr0 = 0, lr1 = 0, scale = 0;
+  bool skipped = false;
+  double loss0 = 0, loss1 = 0;
+};
+
+// tests/parity.py's schedule(): SGD over two param groups, accumulation 2, StepLR or LambdaLR
+// driven by the Trainer; the micro-batches in `poison` return loss * inf.
+template <class P>
+std::vector<ScheduleStep> run_schedule(const std::string& kind, torch::nn::Sequential model,
+                                       const at::Tensor& x, const at::Tensor& y,
+                                       const std::vector<std::int64_t>& poison, std::int64_t steps,
+                                       std::int64_t batch) {
+  std::vector<torch::optim::OptimizerParamGroup> groups;
+  groups.emplace_back((*model)[0]->parameters(),
+                      std::make_unique<torch::optim::SGDOptions>(
+                          torch::optim::SGDOptions(0.05).momentum(0.9)));
+  std::vector<at::Tensor> rest;
+  for (std::size_t i = 1; i < model->size(); ++i) {
+    for (const auto& p : (*model)[i]->parameters()) rest.push_back(p);
+  }
+  groups.emplace_back(rest, std::make_unique<torch::optim::SGDOptions>(
+                                torch::optim::SGDOptions(0.02).momentum(0.9)));
+  torch::optim::SGD sgd(std::move(groups), torch::optim::SGDOptions(0.05).momentum(0.9));
+  auto options = mp::TrainerOptions().accumulation_steps(2);
+  if (kind == "step") {
+    options.lr_scheduler(std::make_shared<torch::optim::StepLR>(sgd, 3, 0.5));
+  } else {
+    options.lr_lambda([](std::int64_t k) {
+      return k < 4 ? static_cast<double>(k + 1) / 4 : std::ldexp(1.0, -static_cast<int>((k - 4) / 5));
+    });
+  }
+  if constexpr (!std::is_same_v<typename P::scaler_type, mp::NoScaler>) {
+    options.scaler(mp::GradScalerOptions().init_scale(std::ldexp(1.0, 30)).growth_interval(4));
+  }
+  mp::Trainer<P> trainer(model, sgd, options);
+  std::vector<ScheduleStep> records;
+  for (std::int64_t step = 0; step < steps; ++step) {
+    ScheduleStep r;
+    r.lr0 = sgd.param_groups()[0].options().get_lr();
+    r.lr1 = sgd.param_groups()[1].options().get_lr();
+    for (std::int64_t micro = 0; micro < 2; ++micro) {
+      const auto i = 2 * step + micro;
+      const auto start = (i * batch) % x.size(0);
+      const auto xb = x.slice(0, start, start + batch);
+      const auto yb = y.slice(0, start, start + batch);
+      const bool poisoned = std::find(poison.begin(), poison.end(), i) != poison.end();
+      const auto report = trainer.step([&] {
+        auto loss = torch::nn::functional::cross_entropy(model->forward(trainer.cast_input(xb)), yb);
+        return poisoned ? loss * std::numeric_limits<double>::infinity() : loss;
+      });
+      CHECK(report.lr == r.lr0);  // the lr this optimizer step uses, on every micro-batch
+      (micro == 0 ? r.loss0 : r.loss1) = report.loss.template item<double>();
+      if (micro == 1) {
+        r.scale = report.scale;
+        r.skipped = report.status == mp::StepStatus::skipped;
+        CHECK(report.status != mp::StepStatus::accumulating);
+      }
+    }
+    records.push_back(r);
+  }
+  return records;
+}
+
+}  // namespace
+
+TEST_CASE("parity with PyTorch: StepLR and LambdaLR driven by the Trainer, with skips and "
+          "accumulation 2, use Python's lr at every step") {
+  torch::set_num_threads(1);
+  const std::int64_t steps = 30, batch = 16;
+  const std::vector<std::int64_t> poison = {9, 30};  // step 4's second, step 15's first micro-batch
+  // fp32: a NaN loss skips (any LibTorch); fp16: torch.autocast + GradScaler("cpu") from 2^30,
+  // which overflows and grows back (LibTorch >= 2.4, whose Python has a CPU GradScaler).
+  std::vector<std::string> configs = {"step_fp32", "lambda_fp32"};
+  if (mp::cpu_half_math) {
+    configs.emplace_back("step_fp16");
+    configs.emplace_back("lambda_fp16");
+  }
+  std::string joined;
+  for (const auto& c : configs) joined += (joined.empty() ? "" : ",") + c;
+  const auto [x, y] = make_data();
+  torch::manual_seed(17);
+  auto initial = make_model();
+  const auto input = test::temp_path("parity_schedule.pt");
+  write_python_input(input, *initial, x, y,
+                     {{"steps", steps}, {"batch", batch}, {"lr0", 0.05}, {"lr1", 0.02},
+                      {"init_scale", std::ldexp(1.0, 30)}, {"growth_interval", std::int64_t{4}},
+                      {"poison", at::tensor(poison, at::kLong)}, {"configs", joined}});
+  const auto output = test::temp_path("parity_schedule.txt");
+  std::remove(output.c_str());
+  const auto command = std::string(MIXPREC_SYSTEM_PYTHON) + " " + MIXPREC_PARITY_SCRIPT +
+                       " schedule " + input + " " + output;
+  REQUIRE(std::system(command.c_str()) == 0);
+  std::map<std::string, std::vector<ScheduleStep>> python;
+  {
+    std::ifstream in(output);
+    for (std::string line; std::getline(in, line);) {
+      std::istringstream fields(line);
+      std::string config, lr0, lr1, scale, skipped, loss0, loss1;  // "inf": std::stod reads it
+      fields >> config >> lr0 >> lr1 >> scale >> skipped >> loss0 >> loss1;
+      python[config].push_back({std::stod(lr0), std::stod(lr1), std::stod(scale), skipped == "1",
+                                std::stod(loss0), std::stod(loss1)});
+    }
+  }
+  for (const auto& config : configs) {
+    CAPTURE(config);
+    const auto kind = config.substr(0, config.find('_'));
+    auto model = make_model();
+    {
+      torch::NoGradGuard no_grad;
+      for (std::size_t i = 0; i < model->parameters().size(); ++i) {
+        model->parameters()[i].copy_(initial->parameters()[i]);
+      }
+    }
+    const auto cpp = config.ends_with("fp16")
+                         ? run_schedule<mp::MixedO1<at::Half>>(kind, model, x, y, poison, steps, batch)
+                         : run_schedule<mp::FullPrecision>(kind, model, x, y, poison, steps, batch);
+    const auto& py = python[config];
+    REQUIRE(py.size() == cpp.size());
+    int skips = 0, lr_changes = 0;
+    double largest = 0;
+    for (std::size_t i = 0; i < cpp.size(); ++i) {
+      CAPTURE(i);
+      CHECK(cpp[i].lr0 == py[i].lr0);  // exactly: the same double arithmetic
+      CHECK(cpp[i].lr1 == py[i].lr1);
+      CHECK(cpp[i].scale == py[i].scale);
+      CHECK(cpp[i].skipped == py[i].skipped);
+      skips += cpp[i].skipped ? 1 : 0;
+      lr_changes += i > 0 && cpp[i].lr0 != cpp[i - 1].lr0 ? 1 : 0;
+      const std::pair<double, double> losses[] = {{cpp[i].loss0, py[i].loss0},
+                                                  {cpp[i].loss1, py[i].loss1}};
+      for (const auto& [a, b] : losses) {
+        if (std::isfinite(b)) {
+          largest = std::max(largest, std::abs(a - b) / std::max(std::abs(b), 1e-3));
+        } else {
+          CHECK(!std::isfinite(a));
+        }
+      }
+    }
+    MESSAGE(config, ": ", cpp.size(), " optimizer steps, ", skips, " skipped, ", lr_changes,
+            " lr changes, the same lrs at every step; largest relative loss difference ", largest);
+    CHECK(skips >= 2);        // the poisoned steps at least, which the schedule counts too
+    CHECK(lr_changes >= 5);
+    CHECK(largest <= (config.ends_with("fp16") ? std::ldexp(1.0, -11) : 1e-6));
+  }
 }
 
 namespace {

@@ -214,6 +214,18 @@ TEST_CASE("catalogue: bad calls on a training run are Errors that change nothing
          restore_rng(rng);
          w.trainer.load(path);
        }},
+      {"load() of a checkpoint written with a learning-rate schedule", "this Trainer has none",
+       [](World& w) {
+         const auto rng = at::detail::getDefaultCPUGenerator().get_state();
+         auto other = std::make_shared<Net>();
+         torch::optim::Adam adam(other->parameters(), torch::optim::AdamOptions(1e-2));
+         mp::Trainer<ScaledO2> scheduled(
+             other, adam, mp::TrainerOptions().lr_lambda([](std::int64_t) { return 0.5; }));
+         const auto path = write_file("catalogue_schedule.ckpt", "");
+         scheduled.save(path);
+         restore_rng(rng);
+         w.trainer.load(path);
+       }},
       {"scaler().update(new_scale) with NaN", "update(new_scale) must be a positive normal",
        [](World& w) { w.trainer.scaler().update(kNaN); }},
       {"scaler().update(new_scale) above fp32's range", "update(new_scale) must be a positive normal",
@@ -366,6 +378,22 @@ TEST_CASE("catalogue: bad Trainer constructions are Errors that leave model and 
          mp::Trainer<mp::PureHalf<at::BFloat16>>(net, adam,
                                                  mp::TrainerOptions().fused_optimizer(true));
        }},
+      {"lr_scheduler and lr_lambda both set", "both set",
+       [](auto& net, auto& adam) {
+         O2(net, adam, mp::TrainerOptions()
+                           .lr_scheduler(std::make_shared<torch::optim::StepLR>(adam, 2))
+                           .lr_lambda([](std::int64_t) { return 1.0; }));
+       }},
+      {"an lr_scheduler built on another optimizer", "built on another optimizer",
+       [](auto& net, auto& adam) {
+         torch::optim::Adam other(net->parameters(), torch::optim::AdamOptions(1e-2));
+         O2(net, adam, mp::TrainerOptions().lr_scheduler(
+                           std::make_shared<torch::optim::StepLR>(other, 2)));
+       }},
+      {"lr_lambda that returns NaN", "the lr must be finite and >= 0",
+       [](auto& net, auto& adam) {
+         O2(net, adam, mp::TrainerOptions().lr_lambda([](std::int64_t) { return kNaN; }));
+       }},
   };
   for (const auto& row : rows) {
     SUBCASE(row.input) {
@@ -379,6 +407,7 @@ TEST_CASE("catalogue: bad Trainer constructions are Errors that leave model and 
       CHECK(test::identical(test::snapshot(net->buffers()), buffers));
       CHECK(adam.state().empty());
       REQUIRE(adam.param_groups().size() == 1U);
+      CHECK(adam.param_groups()[0].options().get_lr() == 1e-2);
       CHECK(adam.param_groups()[0].params()[0].is_same(net->fc1->weight));  // not rebound
       mp::Trainer<mp::MixedO2<at::BFloat16>> trainer(net, adam);  // the model is free again
     }

@@ -162,8 +162,9 @@ TEST_CASE("PureHalf<Half>: a new optimizer's eps is checked as the first one's" 
 TEST_CASE_TEMPLATE("optimizer.step() after trainer.step() applies nothing a second time", P,
                    mp::FullPrecision, mp::MixedO1<at::BFloat16>, mp::MixedO2<at::BFloat16>,
                    mp::PureHalf<at::BFloat16>, ScaledO2) {
-  // The habit of Python's `scaler.step(opt); scaler.update()` followed by `opt.step()`. The
-  // reference: the same run without the stray calls, bit for bit, also while accumulating.
+  // The habit of Python's `scaler.step(opt); scaler.update()` followed by `opt.step()`, and of
+  // an `opt.zero_grad()` left between micro-batches. The reference: the same run without the
+  // stray calls, bit for bit, also while accumulating.
   for (const std::int64_t accumulation : {1, 2}) {
     CAPTURE(accumulation);
     const auto options = mp::TrainerOptions().accumulation_steps(accumulation);
@@ -187,6 +188,7 @@ TEST_CASE_TEMPLATE("optimizer.step() after trainer.step() applies nothing a seco
       observed.step(i);
       const auto before = stray.state();
       stray.opt.step();
+      stray.opt.zero_grad();  // between micro-batches it finds no gradient either
       INFO("micro-batch ", i, ", largest change ", test::max_abs_diff(stray.state(), before));
       CHECK(test::identical(stray.state(), before));
     }

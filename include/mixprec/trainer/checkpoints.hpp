@@ -12,6 +12,7 @@
 #include <mixprec/trainer/fp32_export.hpp>
 #include <mixprec/trainer/policy_identity.hpp>
 #include <mixprec/trainer/ranks.hpp>
+#include <mixprec/trainer/schedule.hpp>
 #include <mixprec/trainer/setup.hpp>
 #include <mixprec/trainer/state.hpp>
 
@@ -140,6 +141,7 @@ class TrainerCheckpoints {
   void check_saveable(const UserValues& user) const {
     const auto& t = self();
     t.check_not_busy("save");
+    t.schedule_.check_untouched();
     MIXPREC_CHECK(t.pending_ == 0, "save() in the middle of an accumulation (", t.pending_,
                   " of ", t.options_.accumulation_steps(), " micro-batches): save after a step");
     check_user_values(user);
@@ -151,6 +153,7 @@ class TrainerCheckpoints {
     write_state(archive, parts(view), t.counters_, c10::IValue(t.scaler_.state_dict()), rngs,
                 user);
     if constexpr (fp8_policy<P>) archive.write("mixprec.fp8", c10::IValue(t.fp8_.state_dict()));
+    t.schedule_.write(archive);
   }
 
   // load(path) and load(archive): a param group added since the last step (or a new optimizer)
@@ -177,6 +180,7 @@ class TrainerCheckpoints {
     auto loaded = read_state(archive, source, parts(view));
     auto scaler = make_scaler<P>(t.options_);
     scaler.load_state_dict(loaded.scaler_state.toGenericDict());
+    const auto schedule = t.schedule_.read(archive, source);
     std::vector<std::pair<at::Tensor*, at::Tensor>> fp8_state;
     if constexpr (fp8_policy<P>) {
       c10::IValue saved;
@@ -193,6 +197,7 @@ class TrainerCheckpoints {
     Fp8Layers::apply_state(fp8_state);
     t.fp8_.finish_step(/*stepped=*/false);  // an accumulation's amaxes belong to another run
     t.scaler_ = std::move(scaler);
+    t.schedule_.apply(schedule);  // after the optimizer's options, which hold the lrs
     t.restart_from(loaded.counters);
     return std::move(loaded.user);
   }

@@ -9,6 +9,7 @@
 #include <mixprec/scaling/scalers.hpp>
 
 #include <ATen/core/Tensor.h>
+#include <torch/optim/schedulers/lr_scheduler.h>
 
 #include <concepts>
 #include <cstdint>
@@ -46,6 +47,10 @@ struct StepReport {
   double scale = 1.0;                ///< the loss scale this step used
   std::optional<double> grad_norm;   ///< total gradient norm, when clipping (max_grad_norm)
   std::int64_t step = 0;             ///< optimizer steps so far (taken or skipped)
+  /// The learning rate of the optimizer's first param group for this optimizer step: the one
+  /// its update used (or would have, when skipped); while accumulating, the one it will use.
+  /// NaN for an optimizer whose options have no get_lr().
+  double lr = 0.0;
   /// On a skipped step: where the inf/NaN was (the loss, which parameters' gradients).
   std::optional<Overflow> overflow;
   /// With TrainerOptions::find_non_finite_op: the first op of this micro-batch's forward pass
@@ -82,6 +87,8 @@ struct TrainerSettings {
   GradientStatsOptions gradient_stats;
   std::function<void(const std::string&)> on_warning;
   std::int64_t max_consecutive_skips = 64;
+  std::shared_ptr<torch::optim::LRScheduler> lr_scheduler;
+  std::function<double(std::int64_t)> lr_lambda;
 };
 
 // What a policy's options may set: scaler options where its scaler takes them; the fused
@@ -194,6 +201,20 @@ class BasicTrainerOptions {
   /// survives; a healthy run skips a few steps in a row at most (log2(init_scale / the scale it
   /// needs) at the start, one at a time later). 0: no limit.
   MIXPREC_TRAINER_OPTION(std::int64_t, max_consecutive_skips)
+
+  /// A LibTorch learning-rate scheduler (torch::optim::StepLR, or a subclass of LRScheduler)
+  /// built on the Trainer's optimizer, which the Trainer steps once per optimizer step, taken
+  /// or skipped (as `scheduler.step()` after `scaler.update()` in Python's loop; not once per
+  /// micro-batch), and saves in its checkpoints. A scheduler that has not stepped yet makes its
+  /// first step when the Trainer is built, as Python's schedulers do in their constructor: the
+  /// lrs are then Python's step for step (LibTorch's StepLR stepped by hand decays one step
+  /// later). Do not step it yourself too (an Error at the next step).
+  MIXPREC_TRAINER_OPTION(std::shared_ptr<torch::optim::LRScheduler>, lr_scheduler)
+
+  /// Python's LambdaLR: each param group's lr is its lr when the Trainer was built times
+  /// f(step), step counting optimizer steps (taken or skipped) from 0. Saved in checkpoints
+  /// (the base lrs; the step is the Trainer's). An lr that is not finite and >= 0 is an Error.
+  MIXPREC_TRAINER_OPTION(std::function<double(std::int64_t)>, lr_lambda)
 
   /// Every value, as the Trainer reads them.
   const detail::TrainerSettings& settings() const noexcept { return settings_; }

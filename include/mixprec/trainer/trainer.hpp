@@ -31,6 +31,7 @@
 #include <mixprec/trainer/optimizer_step.hpp>
 #include <mixprec/trainer/step_engine.hpp>
 #include <mixprec/trainer/options.hpp>
+#include <mixprec/trainer/schedule.hpp>
 #include <mixprec/trainer/setup.hpp>
 #include <mixprec/trainer/trained_tensors.hpp>
 
@@ -74,7 +75,8 @@ class Trainer : public detail::TrainerCheckpoints<P> {
         optimizer_(&optimizer),
         options_(detail::checked_options<P>(std::move(options), optimizer)),
         scaler_(detail::make_scaler<P>(options_)),
-        tensors_(*model_, optimizer) {
+        tensors_(*model_, optimizer),
+        schedule_(options_, optimizer) {
     detail::Fp8Layers::Found fp8_layers;
     if constexpr (detail::fp8_policy<P>) {
       MIXPREC_CHECK(!P::recipe::delayed || options_.distributed() == nullptr, "Trainer<",
@@ -94,6 +96,7 @@ class Trainer : public detail::TrainerCheckpoints<P> {
     if (data_parallel_) tensors_.bind(*data_parallel_, *model_);
     detail::warn_slow_fp16_convolutions<P>(*model_, options_, tensors_.device_types());
     if constexpr (detail::fp8_policy<P>) fp8_.enable<typename P::recipe>(std::move(fp8_layers));
+    schedule_.start(optimizer);  // Python's scheduler constructor step (schedule.hpp)
   }
 
   /// With the policy's own Options (a template only so that `{}` stays TrainerOptions).
@@ -182,6 +185,7 @@ class Trainer : public detail::TrainerCheckpoints<P> {
   template <class LossFn>
   StepReport run_step(LossFn& loss_fn) {
     check_not_busy("step");
+    schedule_.check_untouched();
     const detail::Busy busy(busy_, "step()'s loss_fn");
     ++calls_;  // first: a call that throws counts too (DataParallel::agree_step)
     // The scaler's scale for this step, checked before anything changes (the forward pass
@@ -190,6 +194,7 @@ class Trainer : public detail::TrainerCheckpoints<P> {
     // A param group added, or a new optimizer assigned to the one the Trainer holds, is
     // adopted before the forward pass, which must already see its tensors cast.
     adopt_optimizer_changes();
+    schedule_.before_micro_batch(*optimizer_, pending_, counters_.steps);
     // Data parallel, as DDP: rank 0's buffers before the first forward of each step.
     if (pending_ == 0) sync_buffers();
     buffers_synced_ = false;  // this forward may update them (BatchNorm's running statistics)
@@ -212,6 +217,7 @@ class Trainer : public detail::TrainerCheckpoints<P> {
     const auto to_backprop = n > 1 ? loss32 / static_cast<double>(n) : loss32;
     StepReport report;
     report.scale = engine_.get_scale();
+    report.lr = schedule_.lr(*optimizer_);
     report.non_finite_op = std::move(forward.non_finite_op);
     // Data parallel: gradients travel during the backward pass of the last micro-batch only.
     const bool reduce = data_parallel_ && pending_ + 1 == n;
@@ -280,6 +286,7 @@ class Trainer : public detail::TrainerCheckpoints<P> {
     // None stays for an optimizer.step() of the user's to apply a second time (the habit of
     // Python's `scaler.step(opt); opt.step()`): PyTorch's zero_grad() after the step.
     tensors_.clear_grads(*optimizer_);
+    schedule_.advance(*optimizer_, counters_.steps);  // last: a bad lr throws after on_step
     detail::check_consecutive_skips(options_.max_consecutive_skips(), consecutive_skips_,
                                     report, scaler_.get_scale());
     return report;
@@ -342,6 +349,7 @@ class Trainer : public detail::TrainerCheckpoints<P> {
   TrainerOptions options_;
   scaler_type scaler_;
   detail::TrainedTensors<P> tensors_;
+  detail::LrSchedule schedule_;  // TrainerOptions::lr_scheduler or lr_lambda; else inactive
   std::unique_ptr<detail::StepGroup> data_parallel_;  // with TrainerOptions::distributed
   // The gradient passes, with the scaler's scale; fp16 gradients in place where the model is
   // cast without masters (PureHalf<Half>).

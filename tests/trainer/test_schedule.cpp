@@ -1,0 +1,335 @@
+// The learning-rate schedule a Trainer drives (TrainerOptions::lr_scheduler, lr_lambda;
+// trainer/schedule.hpp): once per optimizer step, skipped ones included, from Python's first
+// step; in the checkpoint; the lr in StepReport; and the mistakes around it. Parity with
+// Python's StepLR and LambdaLR + GradScaler is in tests/test_parity.cpp.
+#include <mixprec/mixprec.hpp>
+
+#include "support.hpp"
+
+#include <torch/torch.h>
+
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <filesystem>
+#include <limits>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace mp = mixprec;
+
+namespace {
+
+constexpr double kInf = std::numeric_limits<double>::infinity();
+constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
+
+struct Mlp : torch::nn::Module {
+  Mlp() {
+    fc1 = register_module("fc1", torch::nn::Linear(8, 16));
+    fc2 = register_module("fc2", torch::nn::Linear(16, 3));
+  }
+  at::Tensor forward(const at::Tensor& x) { return fc2->forward(torch::tanh(fc1->forward(x))); }
+  torch::nn::Linear fc1{nullptr}, fc2{nullptr};
+};
+
+// A model and an SGD over two param groups (fc1 at lr 0.1, fc2 at 0.04), from one seed.
+struct Setup {
+  std::shared_ptr<Mlp> net;
+  torch::optim::SGD sgd;
+  at::Tensor x, y;
+  static std::vector<torch::optim::OptimizerParamGroup> groups(Mlp& net) {
+    std::vector<torch::optim::OptimizerParamGroup> g;
+    g.emplace_back(net.fc1->parameters(),
+                   std::make_unique<torch::optim::SGDOptions>(torch::optim::SGDOptions(0.1)));
+    g.emplace_back(net.fc2->parameters(),
+                   std::make_unique<torch::optim::SGDOptions>(torch::optim::SGDOptions(0.04)));
+    return g;
+  }
+  Setup()
+      : net((torch::manual_seed(5), std::make_shared<Mlp>())),
+        sgd(groups(*net), torch::optim::SGDOptions(0.1)),
+        x(torch::randn({32, 8})),
+        y(torch::randint(0, 3, {32}, at::kLong)) {}
+};
+
+// One micro-batch; `poisoned`: the loss is inf, so the optimizer step it ends is skipped.
+template <class P>
+mp::StepReport micro(mp::Trainer<P>& trainer, Setup& s, std::int64_t i, bool poisoned = false) {
+  return trainer.step([&] {
+    const auto rows = s.x.slice(0, 8 * (i % 4), 8 * (i % 4 + 1));
+    auto loss = torch::nn::functional::cross_entropy(s.net->forward(rows),
+                                                     s.y.slice(0, 8 * (i % 4), 8 * (i % 4 + 1)));
+    return poisoned ? loss * kInf : loss;
+  });
+}
+
+std::vector<double> lrs_of(const torch::optim::Optimizer& optimizer) {
+  std::vector<double> lrs;
+  for (const auto& g : optimizer.param_groups()) lrs.push_back(g.options().get_lr());
+  return lrs;
+}
+
+// Python's StepLR (chainable form, as torch 2.x computes it): the lr of optimizer step k,
+// by repeated multiplication.
+double step_lr(double base, std::int64_t k, std::int64_t step_size, double gamma) {
+  double lr = base;
+  for (std::int64_t e = 1; e <= k; ++e) {
+    if (e % step_size == 0) lr *= gamma;
+  }
+  return lr;
+}
+
+double warmup(std::int64_t k) {
+  return k < 3 ? static_cast<double>(k + 1) / 4 : std::pow(0.75, static_cast<double>(k - 3));
+}
+
+// A scheduler of the user's: sets `lr` from its step count on, NaN from step `bad_from`.
+struct BadScheduler : torch::optim::LRScheduler {
+  BadScheduler(torch::optim::Optimizer& optimizer, unsigned bad_from)
+      : LRScheduler(optimizer), bad_from_(bad_from) {}
+  std::vector<double> get_lrs() override {
+    auto lrs = get_current_lrs();
+    if (step_count_ >= bad_from_) lrs.assign(lrs.size(), kNaN);
+    return lrs;
+  }
+  unsigned bad_from_;
+};
+
+std::string temp(const std::string& name) {
+  return (std::filesystem::path(MIXPREC_TEST_TMPDIR) / name).string();
+}
+
+}  // namespace
+
+TEST_CASE("lr_scheduler: LibTorch's StepLR advances once per optimizer step, skipped ones too, "
+          "with Python's lrs") {
+  Setup s;
+  auto scheduler = std::make_shared<torch::optim::StepLR>(s.sgd, 3, 0.5);
+  mp::Trainer<mp::FullPrecision> trainer(
+      s.net, s.sgd, mp::TrainerOptions().accumulation_steps(2).lr_scheduler(scheduler));
+  for (std::int64_t k = 0; k < 10; ++k) {
+    CAPTURE(k);
+    const std::vector<double> expected = {step_lr(0.1, k, 3, 0.5), step_lr(0.04, k, 3, 0.5)};
+    CHECK(lrs_of(s.sgd) == expected);  // each group, exactly
+    const auto first = micro(trainer, s, 2 * k);
+    const auto last = micro(trainer, s, 2 * k + 1, /*poisoned=*/k == 4);
+    CHECK(first.status == mp::StepStatus::accumulating);
+    CHECK(first.lr == expected[0]);  // while accumulating: the lr the step will use
+    CHECK(last.lr == expected[0]);   // the lr it used (or would have, skipped)
+    CHECK(last.status == (k == 4 ? mp::StepStatus::skipped : mp::StepStatus::stepped));
+  }
+  CHECK(lrs_of(s.sgd)[0] == step_lr(0.1, 10, 3, 0.5));
+  CHECK(trainer.stats().skipped_steps == 1);
+
+  // What the Trainer's first step is for: LibTorch's StepLR stepped by hand once per optimizer
+  // step decays one step later than Python's (its first step() does not count).
+  Setup hand;
+  torch::optim::StepLR by_hand(hand.sgd, 3, 0.5);
+  for (int k = 0; k < 3; ++k) by_hand.step();
+  CHECK(lrs_of(hand.sgd)[0] == 0.1);  // Python's StepLR: 0.05 after 3 steps
+}
+
+TEST_CASE("lr_lambda: Python's LambdaLR, base lr times f(step) per group") {
+  Setup s;
+  mp::Trainer<mp::FullPrecision> trainer(s.net, s.sgd, mp::TrainerOptions().lr_lambda(warmup));
+  CHECK(lrs_of(s.sgd) == std::vector<double>{0.1 * warmup(0), 0.04 * warmup(0)});  // at once
+  for (std::int64_t k = 0; k < 8; ++k) {
+    CAPTURE(k);
+    CHECK(lrs_of(s.sgd)[0] == 0.1 * warmup(k));
+    CHECK(lrs_of(s.sgd)[1] == 0.04 * warmup(k));
+    const auto report = micro(trainer, s, k, /*poisoned=*/k == 2);
+    CHECK(report.lr == 0.1 * warmup(k));
+    CHECK(report.step == k + 1);
+  }
+}
+
+TEST_CASE("lr_lambda: a param group added later joins the schedule at the step it joins") {
+  Setup s;  // the model; an SGD over fc1 alone, fc2 added after 3 steps (unfrozen)
+  torch::optim::SGD sgd(s.net->fc1->parameters(), torch::optim::SGDOptions(0.1));
+  mp::Trainer<mp::FullPrecision> trainer(s.net, sgd, mp::TrainerOptions().lr_lambda(warmup));
+  for (std::int64_t k = 0; k < 3; ++k) micro(trainer, s, k);
+  sgd.add_param_group(torch::optim::OptimizerParamGroup(
+      s.net->fc2->parameters(),
+      std::make_unique<torch::optim::SGDOptions>(torch::optim::SGDOptions(0.2))));
+  for (std::int64_t k = 3; k < 6; ++k) {
+    CAPTURE(k);
+    std::vector<double> during;  // the lrs optimizer step k uses, read in its forward pass
+    trainer.step([&] {
+      during = lrs_of(sgd);
+      return torch::nn::functional::cross_entropy(s.net->forward(s.x), s.y);
+    });
+    // Its lr as it joined (0.2) is its base; Python's LambdaLR would leave it at 0.2.
+    CHECK(during == std::vector<double>{0.1 * warmup(k), 0.2 * warmup(k)});
+  }
+}
+
+TEST_CASE_TEMPLATE("a checkpoint holds the schedule: the resumed run has the uninterrupted one's lrs "
+                   "and weights, bit for bit", Kind, std::true_type, std::false_type) {
+  constexpr bool stepper = Kind::value;
+  const auto options = [](torch::optim::Optimizer& opt) {
+    auto o = mp::TrainerOptions().accumulation_steps(2);
+    if (stepper) return o.lr_scheduler(std::make_shared<torch::optim::StepLR>(opt, 2, 0.5));
+    return o.lr_lambda(warmup);
+  };
+  const auto path = temp(stepper ? "schedule_step.ckpt" : "schedule_lambda.ckpt");
+  std::vector<std::vector<double>> lrs;
+  std::vector<at::Tensor> weights;
+  {
+    Setup s;
+    mp::Trainer<mp::FullPrecision> trainer(s.net, s.sgd, options(s.sgd));
+    for (std::int64_t i = 0; i < 16; ++i) {
+      if (i == 8) trainer.save(path);
+      micro(trainer, s, i, /*poisoned=*/i == 3);
+      if (i >= 8 && i % 2 == 1) lrs.push_back(lrs_of(s.sgd));
+    }
+    weights = test::snapshot(s.net->parameters());
+  }
+  Setup s;  // a fresh scheduler: the Trainer makes its first step, load() puts its count back
+  mp::Trainer<mp::FullPrecision> trainer(s.net, s.sgd, options(s.sgd));
+  trainer.load(path);
+  for (std::int64_t i = 8; i < 16; ++i) {
+    micro(trainer, s, i);
+    if (i % 2 == 1) CHECK(lrs_of(s.sgd) == lrs[static_cast<std::size_t>(i - 8) / 2]);
+  }
+  CHECK(test::identical(test::snapshot(s.net->parameters()), weights));
+}
+
+TEST_CASE("a scheduler the Trainer drives and the user steps too is an Error that changes nothing") {
+  Setup s;
+  auto scheduler = std::make_shared<torch::optim::StepLR>(s.sgd, 1, 0.5);
+  mp::Trainer<mp::FullPrecision> trainer(s.net, s.sgd, mp::TrainerOptions().lr_scheduler(scheduler));
+  micro(trainer, s, 0);
+  scheduler->step();  // Python's habit: scheduler.step() after the step
+  const auto weights = test::snapshot(s.net->parameters());
+  const auto lrs = lrs_of(s.sgd);
+  const auto steps = trainer.stats().steps;
+  CHECK_THROWS_WITH_AS(micro(trainer, s, 1), doctest::Contains("remove your scheduler->step()"),
+                       mp::Error);
+  CHECK_THROWS_WITH_AS(trainer.save(temp("schedule_touched.ckpt")),
+                       doctest::Contains("stepped outside the Trainer"), mp::Error);
+  CHECK(test::identical(test::snapshot(s.net->parameters()), weights));
+  CHECK(lrs_of(s.sgd) == lrs);
+  CHECK(trainer.stats().steps == steps);
+}
+
+TEST_CASE("an lr that is not finite and >= 0 is an Error; the lr stays the last valid one") {
+  SUBCASE("lr_scheduler") {
+    Setup s;
+    auto scheduler = std::make_shared<BadScheduler>(s.sgd, 2);
+    std::int64_t reported = 0;
+    mp::Trainer<mp::FullPrecision> trainer(
+        s.net, s.sgd,
+        mp::TrainerOptions().lr_scheduler(scheduler).on_step(
+            [&](const mp::StepReport& r) { reported = r.step; }));
+    micro(trainer, s, 0);
+    CHECK_THROWS_WITH_AS(micro(trainer, s, 1), doctest::Contains("param group 0's lr to nan"),
+                         mp::Error);
+    CHECK(lrs_of(s.sgd) == std::vector<double>{0.1, 0.04});
+    CHECK(reported == 2);  // the step that ended was done, and on_step had its report
+    CHECK(trainer.stats().steps == 2);
+  }
+  SUBCASE("lr_lambda") {
+    Setup s;
+    mp::Trainer<mp::FullPrecision> trainer(
+        s.net, s.sgd, mp::TrainerOptions().lr_lambda([](std::int64_t k) { return 1.0 - 0.5 * static_cast<double>(k); }));
+    micro(trainer, s, 0);
+    micro(trainer, s, 1);
+    const auto lrs = lrs_of(s.sgd);
+    CHECK_THROWS_WITH_AS(micro(trainer, s, 2), doctest::Contains("lr_lambda(3) returned -0.5"),
+                         mp::Error);
+    CHECK(lrs_of(s.sgd) == lrs);
+  }
+}
+
+TEST_CASE("a schedule stepped per trainer.step() call outside the Trainer, with accumulation, is "
+          "warned about once") {
+  Setup s;
+  std::vector<std::string> warnings;
+  torch::optim::StepLR by_hand(s.sgd, 2, 0.5);
+  mp::Trainer<mp::FullPrecision> trainer(
+      s.net, s.sgd,
+      mp::TrainerOptions().accumulation_steps(2).on_warning(
+          [&](const std::string& w) { warnings.push_back(w); }));
+  for (std::int64_t i = 0; i < 12; ++i) {
+    micro(trainer, s, i);
+    by_hand.step();  // the trap: accumulation_steps times per optimizer step
+  }
+  REQUIRE(warnings.size() == 1U);
+  CHECK(warnings[0].find("TrainerOptions::lr_scheduler") != std::string::npos);
+}
+
+TEST_CASE("checkpoints and schedules must match: each mismatch is an Error that changes nothing") {
+  const auto with_lambda = temp("schedule_lambda_only.ckpt");
+  const auto without = temp("schedule_none.ckpt");
+  {
+    Setup s;
+    mp::Trainer<mp::FullPrecision> a(s.net, s.sgd, mp::TrainerOptions().lr_lambda(warmup));
+    micro(a, s, 0);
+    a.save(with_lambda);
+  }
+  {
+    Setup s;
+    mp::Trainer<mp::FullPrecision> b(s.net, s.sgd);
+    micro(b, s, 0);
+    b.save(without);
+  }
+  struct Case {
+    const char* name;
+    const std::string* path;
+    int kind;  // 0: none, 1: lr_scheduler, 2: lr_lambda
+    const char* excerpt;
+  };
+  const Case cases[] = {
+      {"no schedule into lr_lambda", &without, 2, "holds no learning-rate schedule"},
+      {"lr_lambda into no schedule", &with_lambda, 0, "this Trainer has none"},
+      {"lr_lambda into lr_scheduler", &with_lambda, 1, "give it the same kind of schedule"},
+  };
+  for (const auto& c : cases) {
+    SUBCASE(c.name) {
+      Setup s;
+      auto options = mp::TrainerOptions();
+      if (c.kind == 1) options.lr_scheduler(std::make_shared<torch::optim::StepLR>(s.sgd, 2, 0.5));
+      if (c.kind == 2) options.lr_lambda(warmup);
+      mp::Trainer<mp::FullPrecision> trainer(s.net, s.sgd, options);
+      micro(trainer, s, 0);
+      const auto weights = test::snapshot(s.net->parameters());
+      const auto lrs = lrs_of(s.sgd);
+      CHECK_THROWS_WITH_AS(trainer.load(*c.path), doctest::Contains(c.excerpt), mp::Error);
+      CHECK(test::identical(test::snapshot(s.net->parameters()), weights));
+      CHECK(lrs_of(s.sgd) == lrs);
+      CHECK(trainer.stats().steps == 1);
+      micro(trainer, s, 1);  // and the run goes on
+    }
+  }
+}
+
+namespace {
+
+// An optimizer whose options have no get_lr(): it takes no schedule, and reports lr NaN.
+struct PlainOptions : torch::optim::OptimizerCloneableOptions<PlainOptions> {};
+struct PlainSgd : torch::optim::Optimizer {
+  explicit PlainSgd(std::vector<at::Tensor> params)
+      : Optimizer({torch::optim::OptimizerParamGroup(std::move(params))},
+                  std::make_unique<PlainOptions>()) {}
+  at::Tensor step(LossClosure = nullptr) override {
+    torch::NoGradGuard no_grad;
+    for (auto& p : param_groups()[0].params()) {
+      if (p.grad().defined()) p.sub_(p.grad() * 0.1);
+    }
+    return {};
+  }
+};
+
+}  // namespace
+
+TEST_CASE("an optimizer without get_lr(): StepReport::lr is NaN, and a schedule is an Error") {
+  Setup s;
+  PlainSgd plain(s.net->parameters());
+  CHECK_THROWS_WITH_AS(mp::Trainer<mp::FullPrecision>(s.net, plain,
+                                                      mp::TrainerOptions().lr_lambda(warmup)),
+                       doctest::Contains("have no get_lr()"), mp::Error);
+  mp::Trainer<mp::FullPrecision> trainer(s.net, plain);
+  CHECK(std::isnan(micro(trainer, s, 0).lr));
+}
