@@ -1,7 +1,8 @@
 #pragma once
 /// The policy core: the precision policies (policy.hpp, with the table of when to use each) and
 /// their concepts, mixprec::Error, the LibTorch version switches, the autocast guard, what this
-/// CPU computes fast, and the "each tensor once" helpers every subsystem shares.
+/// CPU computes fast, at::parallel_for with its OpenMP check, and the "each tensor once" helpers
+/// every subsystem shares.
 
 #include <mixprec/core/error.hpp>
 #include <mixprec/core/compat.hpp>
@@ -10,5 +11,6 @@
 #include <mixprec/core/policy.hpp>
 #include <mixprec/core/autocast.hpp>
 #include <mixprec/core/capabilities.hpp>
+#include <mixprec/core/parallel.hpp>
 #include <mixprec/core/tensor_set.hpp>
 #include <mixprec/core/rng_states.hpp>

@@ -1,13 +1,24 @@
 # cmake -DMODE=... -DSOURCE_DIR=... -DMAIN_BINARY_DIR=... -DWORK_DIR=... -DGENERATOR=...
 #       -DTorch_DIR=... -DGLOO_INCLUDE_DIR=... -P run.cmake
 # Configures, builds and runs tests/consumer against mixprec found by MODE.
+# MAIN_BINARY_DIR: unused since find_package installs from a configure of its own.
 file(REMOVE_RECURSE ${WORK_DIR})
 # The LibTorch root, not only Torch_DIR: TorchConfig's find_library searches the prefixes' lib/
 # before the system's, so a Debian libtorch.so cannot slip in beside the wheel's headers.
 get_filename_component(_torch_root "${Torch_DIR}/../../.." ABSOLUTE)
 set(_prefix_path ${_torch_root})
 if(MODE STREQUAL "find_package")
-  execute_process(COMMAND ${CMAKE_COMMAND} --install ${MAIN_BINARY_DIR} --prefix ${WORK_DIR}/prefix
+  # The README's install: the checkout configured top-level without the tests (nothing but
+  # LibTorch needed, and not one warning printed), then installed.
+  execute_process(
+    COMMAND ${CMAKE_COMMAND} -S ${SOURCE_DIR} -B ${WORK_DIR}/library -G ${GENERATOR}
+            -DMIXPREC_BUILD_TESTS=OFF "-DCMAKE_PREFIX_PATH=${_torch_root}"
+    RESULT_VARIABLE _rc OUTPUT_VARIABLE _out ERROR_VARIABLE _err)
+  if(NOT _rc EQUAL 0 OR _err MATCHES "Warning")
+    message(FATAL_ERROR "configuring mixprec for install (-DMIXPREC_BUILD_TESTS=OFF) failed or "
+                        "warned:\n${_out}${_err}")
+  endif()
+  execute_process(COMMAND ${CMAKE_COMMAND} --install ${WORK_DIR}/library --prefix ${WORK_DIR}/prefix
                   RESULT_VARIABLE _rc)
   if(NOT _rc EQUAL 0)
     message(FATAL_ERROR "cmake --install failed")

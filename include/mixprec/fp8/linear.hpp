@@ -18,6 +18,7 @@
 #include <mixprec/fp8/quantize.hpp>
 #include <mixprec/fp8/recipes.hpp>
 #include <mixprec/core/autograd_function.hpp>
+#include <mixprec/core/parallel.hpp>
 #include <mixprec/precision/model_cast.hpp>
 #include <mixprec/core/error.hpp>
 #include <mixprec/nn/linear.hpp>
@@ -25,7 +26,6 @@
 #include <mixprec/precision/precision_map.hpp>
 
 #include <ATen/ATen.h>
-#include <ATen/Parallel.h>
 #include <ATen/core/ivalue.h>
 #include <torch/autograd.h>
 #include <torch/nn/module.h>

@@ -5,9 +5,9 @@
 
 #include <mixprec/core/compat.hpp>
 #include <mixprec/core/error.hpp>
+#include <mixprec/core/parallel.hpp>
 
 #include <ATen/ATen.h>
-#include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cmath>

@@ -8,8 +8,9 @@
 //   non_finite_span:      read `from`, the non-finite flag alone (no clipping: no norm to compute).
 // Which tensor reaches which loop (layout, dtype, device) is unscale.hpp's business.
 
+#include <mixprec/core/parallel.hpp>
+
 #include <ATen/ATen.h>
-#include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
