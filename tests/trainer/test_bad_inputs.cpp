@@ -28,6 +28,14 @@ using test::ScaledO2;
 constexpr double kInf = std::numeric_limits<double>::infinity();
 constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
 
+// A user's scheduler whose every lr is NaN, its first step (at construction) included.
+struct NanScheduler : torch::optim::LRScheduler {
+  explicit NanScheduler(torch::optim::Optimizer& optimizer) : LRScheduler(optimizer) {}
+  std::vector<double> get_lrs() override {
+    return std::vector<double>(get_current_lrs().size(), kNaN);
+  }
+};
+
 // The CPU generator's state put back: rows that build a second model must not move the RNG.
 void restore_rng(const at::Tensor& state) {
   auto generator = at::detail::getDefaultCPUGenerator();
@@ -393,6 +401,10 @@ TEST_CASE("catalogue: bad Trainer constructions are Errors that leave model and 
       {"lr_lambda that returns NaN", "the lr must be finite and >= 0",
        [](auto& net, auto& adam) {
          O2(net, adam, mp::TrainerOptions().lr_lambda([](std::int64_t) { return kNaN; }));
+       }},
+      {"an lr_scheduler whose first lr is NaN", "its first step",
+       [](auto& net, auto& adam) {
+         O2(net, adam, mp::TrainerOptions().lr_scheduler(std::make_shared<NanScheduler>(adam)));
        }},
   };
   for (const auto& row : rows) {

@@ -40,6 +40,10 @@ struct LrSchedulerAccess : torch::optim::LRScheduler {
   static std::vector<double> current_lrs(const torch::optim::LRScheduler& scheduler) {
     return (scheduler.*(&LrSchedulerAccess::get_current_lrs))();
   }
+  // The lrs its next step() would set (a virtual call; step() itself also counts).
+  static std::vector<double> next_lrs(torch::optim::LRScheduler& scheduler) {
+    return (scheduler.*(&LrSchedulerAccess::get_lrs))();
+  }
 };
 
 // Each param group's lr (LibTorch's OptimizerOptions::get_lr; every built-in optimizer has it).
@@ -89,7 +93,18 @@ class LrSchedule {
     MIXPREC_CHECK(reads_lr_, "TrainerOptions::", kind(), ": the optimizer's options have no "
                   "get_lr() (a custom OptimizerOptions must override get_lr and set_lr to take "
                   "a schedule)");
-    if (scheduler_) check_scheduler_of(optimizer);
+    if (scheduler_) {
+      check_scheduler_of(optimizer);
+      // The first step start() makes, checked before the Trainer changes the model.
+      if (LrSchedulerAccess::count(*scheduler_) == 0) {
+        const auto first = LrSchedulerAccess::next_lrs(*scheduler_);
+        for (std::size_t g = 0; g < first.size(); ++g) {
+          MIXPREC_CHECK(std::isfinite(first[g]) && first[g] >= 0, "TrainerOptions::lr_scheduler: "
+                        "its first step (the one Python's constructor makes) sets param group ",
+                        g, "'s lr to ", first[g], ": the lr must be finite and >= 0");
+        }
+      }
+    }
     if (factor_) checked_factor(0, /*group=*/0, optimizer.param_groups().front().options().get_lr());
   }
 
