@@ -148,6 +148,14 @@ TEST_CASE("load_state_dict: every parameter and buffer by name, each converted t
   CHECK(net.norm->num_batches_tracked.scalar_type() == at::kLong);
   CHECK(net.fc1->weight.requires_grad());  // parameters stay parameters
   CHECK_FALSE(net.fc1->weight.grad().defined());
+
+  // LibTorch registers a bias-free Linear's bias as an undefined tensor; Python's state_dict()
+  // has no key for it (a None parameter), and none is missing.
+  torch::nn::Linear no_bias(torch::nn::LinearOptions(2, 3).bias(false));
+  mp::StateDict weight_only;
+  weight_only.insert("weight", torch::ones({3, 2}));
+  CHECK(mp::load_state_dict(*no_bias, weight_only).missing_keys.empty());
+  CHECK(torch::equal(no_bias->weight, torch::ones({3, 2})));
 }
 
 TEST_CASE("load_state_dict: missing and unexpected keys are one Error under strict, nothing loaded; "
@@ -159,8 +167,8 @@ TEST_CASE("load_state_dict: missing and unexpected keys are one Error under stri
   weights.insert("head.weight", torch::zeros({2, 8}));
   CHECK_THROWS_WITH_AS(mp::load_state_dict(net, weights),
                        doctest::Contains("cannot load the state dict into the model: 2 of the model's tensors "
-                                         "have no key (missing keys: 'fc2.bias', 'norm.running_var'); 1 keys "
-                                         "name no tensor of the model (unexpected keys: 'head.weight'). Nothing "
+                                         "have no key (missing keys: 'fc2.bias', 'norm.running_var'); 1 key "
+                                         "names no tensor of the model (unexpected keys: 'head.weight'). Nothing "
                                          "was loaded (LoadOptions().strict(false) loads"),
                        mp::Error);
   CHECK(test::identical(everything(net), before));
@@ -209,7 +217,7 @@ TEST_CASE("load_state_dict: a shape, a kind of dtype, a value beyond the model's
   fits.insert("count", torch::tensor({5, -3}, at::kLong));
   mp::load_state_dict(counts, fits);
   CHECK(torch::equal(counts.named_buffers()["count"], torch::tensor({5, -3}, at::kInt)));
-  fits["count"] = torch::tensor({5, std::int64_t{1} << 40}, at::kLong);
+  fits["count"] = torch::tensor({std::int64_t{5}, std::int64_t{1} << 40}, at::kLong);
   CHECK_THROWS_WITH_AS(mp::load_state_dict(counts, fits),
                        doctest::Contains("'count' holds values that Int, the dtype of the model, cannot hold (they would wrap around)"),
                        mp::Error);

@@ -20,6 +20,7 @@
 #include <vector>
 
 namespace mp = mixprec;
+using namespace std::string_literals;  // "...\x00..."s keeps its NUL bytes
 using mp::detail::Json;
 
 namespace {
@@ -252,8 +253,8 @@ TEST_CASE("torch.save: hand-made pickles: a valid one, and each malformed one an
       {"\x80\x02s.", "pops from an empty stack"},
       {"\x80\x02}u.", "needs a MARK that is not there"},
       {"\x80\x02h\x05.", "reads memo entry 5, never written"},
-      {"\x80\x02]q\x00h\x00" "a.", "a container is put inside itself"},
-      {"\x80\x02]q\x00]h\x00" "a0Na.", "APPEND changes a container already inside another"},
+      {"\x80\x02]q\x00h\x00" "a."s, "a container is put inside itself"},
+      {"\x80\x02]q\x00]h\x00" "a0Na."s, "APPEND changes a container already inside another"},
       {"\x80\x02" + deep + ".", "containers nest deeper than 64"},
       {"\x80\x02X\xff\xff\xff\x7f", "it ends inside an opcode's argument"},
       {"\x80\x02\x8a\x09" + std::string(9, '\x01') + ".", "an integer of 9 bytes, beyond 64 bits"},
@@ -380,10 +381,14 @@ TEST_CASE("read_state_dict: torch.save or safetensors by the contents; anything 
                        doctest::Contains("is a safetensors file, which holds one state dict"), mp::Error);
   const auto pt = write("format.weights", torch_save_file(state_dict(kGoodTensor)));
   CHECK(torch::equal(mp::read_state_dict(pt)["w"], torch::tensor({1.5F, -2.0F})));
-  // The trailer of a Trainer checkpoint (io/checkpoint_file.hpp) after a LibTorch archive.
-  CHECK_THROWS_WITH_AS(mp::read_state_dict(write("format.ckpt", std::string(100, 'x') + "mixprec1" + std::string(16, '\0'))),
-                       doctest::Contains("is a mixprec checkpoint (Trainer::save): load it with Trainer::load"),
-                       mp::Error);
+  // The trailer of a Trainer checkpoint (io/checkpoint_file.hpp) after a LibTorch archive: a zip.
+  const auto checkpoint = write("format.ckpt", torch_save_file(state_dict(kGoodTensor)) + "mixprec1" +
+                                                   std::string(16, '\0'));
+  for (const auto& read : {mp::read_state_dict, mp::read_torch_save}) {
+    CHECK_THROWS_WITH_AS(read(checkpoint, ""),
+                         doctest::Contains("is a mixprec checkpoint (Trainer::save): load it with Trainer::load"),
+                         mp::Error);
+  }
   CHECK_THROWS_WITH_AS(mp::read_state_dict(write("format.txt", "weights, but not really")),
                        doctest::Contains("neither a torch.save file (a zip archive) nor a safetensors file"),
                        mp::Error);

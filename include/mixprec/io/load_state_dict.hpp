@@ -96,6 +96,7 @@ inline std::vector<LoadTarget> load_targets(const torch::nn::Module& module) {
   std::vector<LoadTarget> targets;
   std::unordered_map<const void*, std::size_t> index;
   const auto add = [&](const std::string& name, const at::Tensor& t) {
+    if (!t.defined()) return;  // as Python's state_dict() leaves out a None parameter or buffer
     const auto [it, fresh] = index.try_emplace(t.unsafeGetTensorImpl(), targets.size());
     if (fresh) targets.push_back({t, {}});
     targets[it->second].names.push_back(name);
@@ -215,11 +216,14 @@ inline void check_plan(const LoadPlan& plan, const LoadOptions& options, const s
   std::vector<std::string> all;
   const auto& r = plan.report;
   if (options.strict() && !r.missing_keys.empty()) {
-    all.push_back(std::to_string(r.missing_keys.size()) + " of " + plan.into + "'s tensors " +
-                  "have no key (missing keys: " + quoted_list(r.missing_keys) + ")");
+    const auto n = r.missing_keys.size();
+    all.push_back(std::to_string(n) + " of " + plan.into + "'s tensors " +
+                  (n == 1 ? "has" : "have") + " no key (missing keys: " +
+                  quoted_list(r.missing_keys) + ")");
   }
   if (options.strict() && !r.unexpected_keys.empty()) {
-    all.push_back(std::to_string(r.unexpected_keys.size()) + " keys name no tensor of " +
+    const auto n = r.unexpected_keys.size();
+    all.push_back(std::to_string(n) + (n == 1 ? " key names" : " keys name") + " no tensor of " +
                   plan.into + " (unexpected keys: " + quoted_list(r.unexpected_keys) + ")");
   }
   all.insert(all.end(), plan.problems.begin(), plan.problems.end());
@@ -258,7 +262,7 @@ inline void check_unclaimed(const torch::nn::Module& model, const LoadOptions& o
 }
 
 inline StateDict read_state_dict(const ByteSource& source, const std::string& key) {
-  if (looks_like_zip(source)) return read_torch_save(source, key);
+  if (looks_like_zip(source)) return read_torch_save(source, key);  // refuses checkpoints too
   refuse_known_foreign(source);
   unsigned char start[9] = {};
   if (source.size() >= 9) source.read(0, start, 9);

@@ -346,8 +346,9 @@ inline void refuse_known_foreign(const ByteSource& source) {
 }
 
 inline StateDict read_torch_save(const ByteSource& source, const std::string& key) {
+  // First: a Trainer checkpoint is a zip archive too (LibTorch's), with mixprec's trailer.
+  refuse_known_foreign(source);
   if (!looks_like_zip(source)) {
-    refuse_known_foreign(source);
     fail("'", source.name(), "' is not a torch.save file (a zip archive)");
   }
   const auto root = read_torch_save_object(source);
