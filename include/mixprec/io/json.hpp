@@ -16,25 +16,23 @@
 
 namespace mixprec::detail {
 
+struct JsonMember;
+
 struct Json {
   enum class Type { null, boolean, number, string, array, object };
   Type type = Type::null;
   bool boolean = false;
-  std::string text;                                  // a string's value, a number as written
-  std::vector<Json> items;                           // an array's
-  std::vector<std::pair<std::string, Json>> members;  // an object's, in order
+  std::string text;                  // a string's value, a number as written
+  std::vector<Json> items;           // an array's
+  std::vector<JsonMember> members;   // an object's, in order (a std::pair<std::string, Json>
+                                     // here would need Json complete: clang refuses it)
 
   bool is_string() const noexcept { return type == Type::string; }
   bool is_array() const noexcept { return type == Type::array; }
   bool is_object() const noexcept { return type == Type::object; }
 
   /// The member `key` of an object (the first, if repeated); null if there is none.
-  const Json* find(std::string_view key) const noexcept {
-    for (const auto& [name, value] : members) {
-      if (name == key) return &value;
-    }
-    return nullptr;
-  }
+  const Json* find(std::string_view key) const noexcept;
 
   /// The value of a number written as a whole number >= 0 that fits 64 bits ("12", not "-1",
   /// "1.0" or "1e3"); false for anything else.
@@ -52,27 +50,7 @@ struct Json {
   }
 
   /// Compact JSON text, for messages.
-  std::string dump() const {
-    switch (type) {
-      case Type::null: return "null";
-      case Type::boolean: return boolean ? "true" : "false";
-      case Type::number: return text;
-      case Type::string: return quoted(text);
-      case Type::array: {
-        std::string out = "[";
-        for (std::size_t i = 0; i < items.size(); ++i) out += (i ? ", " : "") + items[i].dump();
-        return out + "]";
-      }
-      case Type::object: {
-        std::string out = "{";
-        for (std::size_t i = 0; i < members.size(); ++i) {
-          out += (i ? ", " : "") + quoted(members[i].first) + ": " + members[i].second.dump();
-        }
-        return out + "}";
-      }
-    }
-    return {};
-  }
+  std::string dump() const;
 
   static std::string quoted(const std::string& s) {
     std::string out = "\"";
@@ -83,6 +61,41 @@ struct Json {
     return out + "\"";
   }
 };
+
+/// One member of a JSON object.
+struct JsonMember {
+  std::string first;
+  Json second;
+};
+
+inline const Json* Json::find(std::string_view key) const noexcept {
+  for (const auto& [name, value] : members) {
+    if (name == key) return &value;
+  }
+  return nullptr;
+}
+
+inline std::string Json::dump() const {
+  switch (type) {
+    case Type::null: return "null";
+    case Type::boolean: return boolean ? "true" : "false";
+    case Type::number: return text;
+    case Type::string: return quoted(text);
+    case Type::array: {
+      std::string out = "[";
+      for (std::size_t i = 0; i < items.size(); ++i) out += (i ? ", " : "") + items[i].dump();
+      return out + "]";
+    }
+    case Type::object: {
+      std::string out = "{";
+      for (std::size_t i = 0; i < members.size(); ++i) {
+        out += (i ? ", " : "") + quoted(members[i].first) + ": " + members[i].second.dump();
+      }
+      return out + "}";
+    }
+  }
+  return {};
+}
 
 /// Parses [begin, end) as one JSON value (whitespace around it allowed); an Error that starts
 /// with `what` and says where the text is not JSON.
@@ -157,7 +170,7 @@ class JsonParser {
       skip_space();
       expect(':', "a missing ':' after an object key");
       skip_space();
-      v.members.emplace_back(std::move(key), value(depth + 1));
+      v.members.push_back(JsonMember{std::move(key), value(depth + 1)});
       skip_space();
       if (peek() == ',' && !at_end()) {
         ++pos_;
