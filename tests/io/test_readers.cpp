@@ -191,6 +191,40 @@ TEST_CASE("torch.save: Python's files read back value for value: every dtype, vi
   CHECK(read >= 9);
 }
 
+TEST_CASE("torch.save: the same state dict written by torch 1.13 and 2.13 reads alike, whichever LibTorch reads it") {
+  // tests/fuzz/regressions/torch_save: Sequential(Linear(2, 2), BatchNorm1d(2)) saved by each
+  // torch, as a state dict, with keep_vars=True and inside a checkpoint dict. 1.13 pickles typed
+  // storages (FloatStorage, LongStorage); 2.13 adds .format_version, .storage_alignment and
+  // byteorder records; each names its records' folder after the file. The checkpoint's state
+  // dict holds a bf16, transposed 0.weight and one more tensor, "view", a view of 0.bias.
+  const auto dir = std::filesystem::path(MIXPREC_WEIGHTS_SCRIPT).parent_path().parent_path() /
+                   "fuzz" / "regressions" / "torch_save";
+  for (const std::string kind : {"state_dict", "parameters", "checkpoint"}) {
+    CAPTURE(kind);
+    const std::string key = kind == "checkpoint" ? "model" : "";
+    const auto old = mp::read_torch_save((dir / ("torch113_" + kind + ".pt")).string(), key);
+    const auto now = mp::read_torch_save((dir / ("torch213_" + kind + ".pt")).string(), key);
+    REQUIRE(old.size() == (kind == "checkpoint" ? 8U : 7U));  // the checkpoint adds a view
+    REQUIRE(now.size() == old.size());
+    for (std::size_t i = 0; i < old.size(); ++i) {
+      CAPTURE(old[i].key());
+      CHECK(now[i].key() == old[i].key());
+      CHECK(test::identical(now[i].value(), old[i].value()));
+    }
+    CHECK(old["1.num_batches_tracked"].scalar_type() == at::kLong);
+    if (kind == "checkpoint") {  // "view" is 0.bias[1:], one storage in either file
+      for (const auto* dict : {&old, &now}) {
+        CHECK((*dict)["view"].storage().data() == (*dict)["0.bias"].storage().data());
+        CHECK((*dict)["view"].storage_offset() == 1);
+      }
+    }
+    torch::nn::Sequential model(torch::nn::Linear(2, 2), torch::nn::BatchNorm1d(2));
+    const auto report = mp::load_state_dict(*model, old, mp::LoadOptions().strict(false));
+    CHECK(report.missing_keys.empty());
+    CHECK(test::identical(model->named_parameters()["0.weight"], now["0.weight"].to(at::kFloat)));
+  }
+}
+
 TEST_CASE("torch.save: the files mixprec does not read are Errors that say why and what to do") {
   const auto files = manifest();
   std::size_t refused = 0;
