@@ -19,8 +19,8 @@ export CCACHE_SLOPPINESS="${CCACHE_SLOPPINESS:-pch_defines,time_macros,include_f
 
 # The Debian packages each command needs. Every command: the build tools, doctest and Gloo's
 # headers (the configure step checks for the tests' and the distributed targets' headers), CLI11
-# (the demo's command line), nlohmann's JSON and ICU (the encoder example's safetensors reader
-# and tokenizer) and python3-venv for the wheel's virtual environment; Debian's
+# (the demo's command line), nlohmann's JSON and ICU (the encoder example's config.json and
+# tokenizer) and python3-venv for the wheel's virtual environment; Debian's
 # libtorch-dev and python3-torch with MIXPREC_LIBTORCH=system. The demo adds the data set and
 # matplotlib (plot.py); the tests add those and clang-14 with libFuzzer (the fuzz targets).
 MIXPREC_PACKAGES=(cmake ninja-build g++ ccache doctest-dev libgloo-dev libcli11-dev nlohmann-json3-dev

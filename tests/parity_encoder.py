@@ -12,13 +12,6 @@
         GradScaler("cpu"); clipping at INPUT's max_grad_norm after unscale_. One line per step:
         the loss (repr of the fp32 value), the scale, 1 if the step was skipped.
 
-    python parity_encoder.py safetensors DIR
-        writes files with safetensors.torch.save_file into DIR: empty tensors beside non-empty
-        ones in several orders (the writer sorts by dtype, then name, so an empty tensor shares
-        its offset with the next), every dtype the C++ reader knows, 0-d tensors, metadata; and
-        DIR/manifest.json: each file's tensors' dtype and shape. Tensor values: element i of a
-        tensor is (3 i + 1) mod 11, converted to its dtype.
-
 INPUT is a torch::pickle_save dict from the C++ side. No network: HF_HUB_OFFLINE=1.
 """
 import os
@@ -104,46 +97,8 @@ def finetune(mode, model_dir, data, output):
             out.write(f"{loss.item()!r} {scale!r} {skipped}\n")
 
 
-def safetensors_files(directory):
-    import json
-    from safetensors.torch import save_file
-
-    dtypes = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-              torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
-              torch.uint8: "U8", torch.bool: "BOOL"}
-
-    def tensor(shape, dtype=torch.float32):
-        n = 1
-        for size in shape:
-            n *= size
-        return ((torch.arange(n) * 3 + 1) % 11).to(dtype).reshape(shape)
-
-    files = {
-        "empty_first.safetensors": ({"a": tensor([0]), "b": tensor([4])}, None),
-        "empty_last.safetensors": ({"a": tensor([4]), "b": tensor([0])}, None),
-        "empty_between_dtypes.safetensors": (
-            {"z": tensor([0, 3]), "b": tensor([4]), "c": tensor([2, 0], torch.int8),
-             "d": tensor([3], torch.float16)}, {"format": "pt", "note": "empty tensors"}),
-        "empties_only.safetensors": ({"x": tensor([0]), "y": tensor([0, 5]), "z": tensor([3, 0, 2])}, None),
-        "scalars.safetensors": ({"s": tensor([]), "e": tensor([0]), "t": tensor([], torch.int64)}, None),
-        "every_dtype.safetensors": (
-            {f"{name}_{kind}": tensor(shape, dtype) for dtype, name in dtypes.items()
-             for kind, shape in (("empty", [0]), ("full", [3, 2]), ("wide_empty", [2, 0, 2]))},
-            {"format": "pt"}),
-    }
-    manifest = {}
-    for file, (tensors, metadata) in files.items():
-        save_file(tensors, os.path.join(directory, file), metadata=metadata)
-        manifest[file] = {name: {"dtype": dtypes[t.dtype], "shape": list(t.shape)}
-                          for name, t in tensors.items()}
-    with open(os.path.join(directory, "manifest.json"), "w") as out:
-        json.dump(manifest, out)
-
-
 def main(mode, *args):
     torch.set_num_threads(1)
-    if mode == "safetensors":
-        return safetensors_files(*args)
     model_dir, input_path, output = args
     if mode == "tokens":
         return tokens(model_dir, input_path, output)

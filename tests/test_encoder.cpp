@@ -1,5 +1,5 @@
-// The pretrained encoder of examples/encoder: the safetensors reader (valid and hostile files, and
-// files Python's safetensors writes), loading by name, the WordPiece tokenizer; and, against
+// The pretrained encoder of examples/encoder: its weights loaded by name (mixprec::load_weights;
+// the readers' own tests are tests/io/), the WordPiece tokenizer; and, against
 // Hugging Face in the Python of MIXPREC_PYTHON (tests/parity_encoder.py, tests/tokenizer_sweep.py;
 // LibTorch 2.x, whose wheel's Python has transformers): token ids on every code point, on a sweep
 // of Unicode and on the whole data set, last_hidden_state, and fine-tuning loss for loss under
@@ -11,7 +11,6 @@
 
 #include "support.hpp"
 
-#include <nlohmann/json.hpp>
 #include <torch/torch.h>
 #include <unicode/uchar.h>
 #include <unicode/uvernum.h>
@@ -22,10 +21,8 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
-#include <cstring>
 #include <filesystem>
 #include <fstream>
-#include <map>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -39,137 +36,7 @@ const bool kNoModel = kModelDir.empty() || !std::filesystem::exists(kModelDir + 
 // Hugging Face's side needs a torch 2.x Python (transformers 5): the wheel's.
 constexpr bool kNoPython = TORCH_VERSION_MAJOR < 2;
 
-// A safetensors file: the header's JSON, then `data`.
-std::vector<std::uint8_t> safetensors_bytes(const std::string& header, const std::vector<std::uint8_t>& data) {
-  const std::uint64_t n = header.size();
-  std::string text(reinterpret_cast<const char*>(&n), 8);
-  text += header;
-  text.append(data.begin(), data.end());
-  return {text.begin(), text.end()};
-}
-
-std::vector<std::uint8_t> float_bytes(const std::vector<float>& values) {
-  std::vector<std::uint8_t> bytes(values.size() * 4);
-  std::memcpy(bytes.data(), values.data(), bytes.size());
-  return bytes;
-}
-
-std::map<std::string, at::Tensor> parse(const std::vector<std::uint8_t>& bytes) {
-  return encoder::parse_safetensors(bytes.data(), bytes.size(), "test.safetensors");
-}
-
 }  // namespace
-
-TEST_CASE("safetensors: a valid file, tensors of several dtypes tiling the data") {
-  auto data = float_bytes({1.5F, -2.0F, 3.25F, 0.0F, 7.0F, 8.0F});
-  const std::int64_t ids[2] = {42, -7};
-  const auto* id_bytes = reinterpret_cast<const std::uint8_t*>(ids);
-  data.insert(data.end(), id_bytes, id_bytes + 16);
-  const auto tensors = parse(safetensors_bytes(
-      R"({"__metadata__": {"format": "pt"}, "w": {"dtype": "F32", "shape": [2, 3], "data_offsets": [0, 24]},)"
-      R"( "ids": {"dtype": "I64", "shape": [2], "data_offsets": [24, 40]}, "e": {"dtype": "F32", "shape": [0, 5], "data_offsets": [40, 40]}})",
-      data));
-  REQUIRE(tensors.size() == 3);
-  CHECK(torch::equal(tensors.at("w"), torch::tensor({1.5F, -2.0F, 3.25F, 0.0F, 7.0F, 8.0F}).view({2, 3})));
-  CHECK(torch::equal(tensors.at("ids"), torch::tensor({42, -7}, torch::kLong)));
-  CHECK(tensors.at("e").sizes() == at::IntArrayRef({0, 5}));
-  // Empty tensors need no bytes, whatever their other sizes, in a file of none.
-  const auto empties = parse(safetensors_bytes(
-      R"({"e": {"dtype": "F32", "shape": [0, 5], "data_offsets": [0, 0]}, "f": {"dtype": "I8", "shape": [7, 0], "data_offsets": [0, 0]}})",
-      {}));
-  REQUIRE(empties.size() == 2);
-  CHECK(empties.at("f").sizes() == at::IntArrayRef({7, 0}));
-}
-
-TEST_CASE("safetensors: truncated, hostile or foreign files are an Error that says what is wrong") {
-  const auto data = float_bytes({1, 2, 3, 4});
-  const std::string good = R"({"a": {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 16]}})";
-  const auto valid = safetensors_bytes(good, data);
-  CHECK_NOTHROW(parse(valid));
-  // Every truncation of a valid file.
-  for (std::size_t size = 0; size < valid.size(); ++size) {
-    CAPTURE(size);
-    const std::vector<std::uint8_t> cut(valid.begin(), valid.begin() + static_cast<std::ptrdiff_t>(size));
-    CHECK_THROWS_AS(parse(cut), mp::Error);
-  }
-  struct Case {
-    std::string header;
-    std::string message;
-  };
-  const std::vector<Case> cases{
-      {"{not json", "is not valid JSON"},
-      {"[1, 2]", "is not a JSON object"},
-      {R"({"a": {"dtype": "F32", "shape": [2, 2]}})", "lacks dtype, shape or data_offsets"},
-      {R"({"a": {"dtype": "Q8", "shape": [2, 2], "data_offsets": [0, 16]}})", "dtype 'Q8'"},
-      {R"({"a": {"dtype": "F32", "shape": [2, -2], "data_offsets": [0, 16]}})", "not a non-negative integer"},
-      {R"({"a": {"dtype": "F32", "shape": [4294967296, 4294967296], "data_offsets": [0, 16]}})", "needs more bytes than 'test.safetensors' holds"},
-      {R"({"a": {"dtype": "F32", "shape": [0, 9223372036854775808], "data_offsets": [0, 0]}})", "a size of 9223372036854775808, more than a LibTorch size holds"},
-      {R"({"a": {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 12]}})", "has data_offsets [0, 12] for 4 elements"},
-      {R"({"a": {"dtype": "F32", "shape": [2, 2], "data_offsets": [4, 20]}})", "more than the file holds"},
-      {R"({"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}, "b": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}})",
-       "tensors 'a' (bytes [0, 4)) and 'b' (bytes [0, 8))"},
-      {R"({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}, "b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}, "c": {"dtype": "F32", "shape": [1], "data_offsets": [12, 16]}})",
-       "tensors 'a' (bytes [0, 8)) and 'b' (bytes [4, 12)) of 'test.safetensors' overlap"},
-      {R"({"a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}, "e": {"dtype": "F32", "shape": [0], "data_offsets": [8, 8]}})",
-       "tensors 'a' (bytes [0, 16)) and 'e' (bytes [8, 8)) of 'test.safetensors' overlap"},
-      {R"({"a": {"dtype": "F32", "shape": [3], "data_offsets": [4, 16]}})",
-       "bytes [0, 4) of the data of 'test.safetensors' belong to no tensor (a gap at the start, before 'a')"},
-      {R"({"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}, "b": {"dtype": "F32", "shape": [2], "data_offsets": [8, 16]}})",
-       "bytes [4, 8) of the data of 'test.safetensors' belong to no tensor (a gap after tensor 'a', before 'b')"},
-      {R"({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}})", "8 bytes after its last tensor"},
-      {R"({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}, "a": {"dtype": "F32", "shape": [2], "data_offsets": [8, 16]}})",
-       "'test.safetensors' names tensor 'a' twice"},
-      {R"({"b": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}, "a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}, "b": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}})",
-       "names tensor 'b' twice"},
-      {R"({"a": {"dtype": "F16", "shape": [4], "dtype": "F32", "data_offsets": [0, 16]}})",
-       "repeats 'dtype' in the entry of 'a'"},
-      {R"({"__metadata__": {"format": "pt", "step": 3}, "a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}})",
-       "__metadata__ that is not an object of strings"},
-      {R"({"a": {"dtype": 3, "shape": [2], "data_offsets": [0, 8]}})", "dtype that is not a string"},
-  };
-  for (const auto& c : cases) {
-    CAPTURE(c.header);
-    CHECK_THROWS_WITH_AS(parse(safetensors_bytes(c.header, data)), doctest::Contains(c.message.c_str()),
-                         mp::Error);
-  }
-  std::vector<std::uint8_t> huge(8, 0xff);  // a header length of 2^64 - 1
-  CHECK_THROWS_WITH_AS(parse(huge), doctest::Contains("announces a header of"), mp::Error);
-}
-
-TEST_CASE("safetensors: the files of Python's safetensors.torch.save_file, empty tensors sharing offsets in any order" *
-          doctest::skip(kNoPython)) {
-  const auto directory = test::temp_path("safetensors_python");
-  std::filesystem::remove_all(directory);
-  std::filesystem::create_directories(directory);
-  const auto command = std::string(MIXPREC_SYSTEM_PYTHON) + " " + MIXPREC_PARITY_ENCODER_SCRIPT +
-                       " safetensors " + directory;
-  REQUIRE(std::system(command.c_str()) == 0);
-  std::ifstream in(directory + "/manifest.json");
-  const auto manifest = nlohmann::json::parse(in);
-  REQUIRE(manifest.size() >= 6);
-  std::size_t tensors_read = 0, empty = 0;
-  for (const auto& [file, expected] : manifest.items()) {
-    CAPTURE(file);
-    std::map<std::string, at::Tensor> tensors;
-    REQUIRE_NOTHROW(tensors = encoder::read_safetensors(directory + "/" + file));
-    CHECK(tensors.size() == expected.size());
-    for (const auto& [name, spec] : expected.items()) {
-      CAPTURE(name);
-      REQUIRE(tensors.count(name) == 1);
-      const auto& t = tensors.at(name);
-      const auto shape = spec["shape"].get<std::vector<std::int64_t>>();
-      CHECK(t.scalar_type() == encoder::detail::safetensors_dtype(spec["dtype"].get<std::string>(), name));
-      CHECK(t.sizes() == at::IntArrayRef(shape));
-      // The values Python wrote: element i is (3 i + 1) mod 11 in the tensor's dtype.
-      const auto values = torch::arange(t.numel()).mul(3).add(1).remainder(11).to(t.scalar_type()).view(shape);
-      CHECK(torch::equal(t, values));
-      ++tensors_read;
-      empty += t.numel() == 0 ? 1 : 0;
-    }
-  }
-  MESSAGE(manifest.size(), " files of Python's safetensors: ", tensors_read, " tensors (", empty,
-          " empty) read as written");
-}
 
 TEST_CASE("WordPiece: BERT's normalization, punctuation, subwords, special tokens and [UNK] on a small vocabulary") {
   const auto vocab = test::temp_path("vocab.txt");
@@ -374,7 +241,7 @@ TEST_CASE("encoder: the pretrained weights load by name; a missing, extra or res
   const auto config = encoder::BertConfig::from_file(kModelDir + "/config.json");
   CHECK(config.hidden_size == 384);
   CHECK(config.num_hidden_layers == 6);
-  auto tensors = encoder::read_safetensors(kModelDir + "/model.safetensors");
+  auto tensors = mp::read_safetensors(kModelDir + "/model.safetensors");
   encoder::BertModel model(config);
   std::int64_t parameters = 0;
   for (const auto& p : model->parameters()) parameters += p.numel();
@@ -383,22 +250,21 @@ TEST_CASE("encoder: the pretrained weights load by name; a missing, extra or res
   const auto before = test::snapshot(model->parameters());
   auto missing = tensors;
   missing.erase("encoder.layer.3.output.dense.weight");
-  CHECK_THROWS_WITH_AS(encoder::load_by_name(*model, missing, "m"),
-                       doctest::Contains("lacks 1 of the model's tensors: 'encoder.layer.3.output.dense.weight'"),
+  CHECK_THROWS_WITH_AS(mp::load_state_dict(*model, missing),
+                       doctest::Contains("(missing keys: 'encoder.layer.3.output.dense.weight')"),
                        mp::Error);
   auto extra = tensors;
-  extra.emplace("classifier.weight", torch::zeros({2, 384}));
-  CHECK_THROWS_WITH_AS(encoder::load_by_name(*model, extra, "m"),
-                       doctest::Contains("holds 1 tensors the model does not have: 'classifier.weight'"),
-                       mp::Error);
+  extra.insert("classifier.weight", torch::zeros({2, 384}));
+  CHECK_THROWS_WITH_AS(mp::load_state_dict(*model, extra),
+                       doctest::Contains("(unexpected keys: 'classifier.weight')"), mp::Error);
   auto reshaped = tensors;
   reshaped["pooler.dense.bias"] = torch::zeros({383});
-  CHECK_THROWS_WITH_AS(encoder::load_by_name(*model, reshaped, "m"),
-                       doctest::Contains("'pooler.dense.bias' has shape [383]"), mp::Error);
+  CHECK_THROWS_WITH_AS(mp::load_state_dict(*model, reshaped),
+                       doctest::Contains("'pooler.dense.bias' has shape [383] in the state dict"), mp::Error);
   CHECK(test::identical(model->parameters(), before));
-  encoder::load_by_name(*model, tensors, "m");
+  mp::load_weights(*model, kModelDir + "/model.safetensors");
   CHECK(torch::equal(model->embeddings->word_embeddings->weight,
-                     tensors.at("embeddings.word_embeddings.weight")));
+                     tensors["embeddings.word_embeddings.weight"]));
 }
 
 namespace {

@@ -1,11 +1,9 @@
 #pragma once
 // A BERT encoder as LibTorch modules whose parameter names are those of Hugging Face's
 // BertModel checkpoints ("encoder.layer.0.attention.self.query.weight", ...), so that a
-// model.safetensors loads by name; its attention masks padding with mixprec::ops::masked_softmax
-// under the training policy. And a sentence classifier on top: mean pooling over the real
+// model.safetensors loads by name (mixprec::load_weights); its attention masks padding with
+// mixprec::ops::masked_softmax under the training policy. And a sentence classifier on top: mean pooling over the real
 // tokens (as sentence-transformers pools all-MiniLM-L6-v2), dropout, one Linear.
-
-#include "safetensors.hpp"
 
 #include <mixprec/mixprec.hpp>
 
@@ -14,9 +12,6 @@
 
 #include <cmath>
 #include <fstream>
-#include <map>
-#include <set>
-#include <sstream>
 #include <string>
 #include <vector>
 
@@ -218,41 +213,6 @@ struct BertModelImpl : torch::nn::Module {
   BertPooler pooler;
 };
 TORCH_MODULE(BertModel);
-
-/// Copies `tensors` (a checkpoint, by name) into `model`'s parameters and buffers of the same
-/// names. An Error names every missing key, every key the model does not have, and any shape
-/// that differs; nothing is copied unless all of them fit.
-inline void load_by_name(torch::nn::Module& model, const std::map<std::string, at::Tensor>& tensors,
-                         const std::string& source) {
-  std::map<std::string, at::Tensor> targets;
-  for (const auto& item : model.named_parameters()) targets.emplace(item.key(), item.value());
-  for (const auto& item : model.named_buffers()) targets.emplace(item.key(), item.value());
-  std::vector<std::string> missing, extra;
-  for (const auto& [name, target] : targets) {
-    const auto it = tensors.find(name);
-    if (it == tensors.end()) {
-      missing.push_back(name);
-      continue;
-    }
-    MIXPREC_CHECK(it->second.sizes() == target.sizes(), "'", source, "': tensor '", name,
-                  "' has shape ", it->second.sizes(), ", the model's ", target.sizes());
-  }
-  for (const auto& [name, value] : tensors) {
-    if (targets.count(name) == 0) extra.push_back(name);
-  }
-  const auto list = [](const std::vector<std::string>& names) {
-    std::ostringstream out;
-    for (std::size_t i = 0; i < names.size() && i < 8; ++i) out << (i ? ", " : "") << "'" << names[i] << "'";
-    if (names.size() > 8) out << " and " << names.size() - 8 << " more";
-    return out.str();
-  };
-  MIXPREC_CHECK(missing.empty(), "'", source, "' lacks ", missing.size(), " of the model's "
-                "tensors: ", list(missing), ": not a checkpoint of this architecture");
-  MIXPREC_CHECK(extra.empty(), "'", source, "' holds ", extra.size(), " tensors the model does "
-                "not have: ", list(extra), ": not a checkpoint of this architecture");
-  torch::NoGradGuard no_grad;
-  for (auto& [name, target] : targets) target.copy_(tensors.at(name));
-}
 
 /// The pretrained encoder with a classification head: mean of the last hidden states over the
 /// real tokens, dropout, Linear(hidden, classes).

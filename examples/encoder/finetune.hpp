@@ -88,8 +88,9 @@ inline Classifier pretrained_classifier(const std::string& model_dir, std::int64
   auto config = BertConfig::from_file((std::filesystem::path(model_dir) / "config.json").string());
   if (!dropout) config.hidden_dropout_prob = config.attention_probs_dropout_prob = 0.0;
   Classifier model(config, classes);
-  const auto weights = (std::filesystem::path(model_dir) / "model.safetensors").string();
-  load_by_name(*model->bert, read_safetensors(weights), weights);
+  // By name, as Hugging Face's BertModel names them (a missing, extra or reshaped tensor is an
+  // Error that names it, and nothing is loaded).
+  mixprec::load_weights(*model->bert, (std::filesystem::path(model_dir) / "model.safetensors").string());
   return model;
 }
 

@@ -3,6 +3,7 @@
 /// subsystem also has a header of its own beside its folder (docs/architecture.md).
 
 #include <mixprec/core.hpp>
+#include <mixprec/io.hpp>
 #include <mixprec/ops.hpp>
 #include <mixprec/scaling.hpp>
 #include <mixprec/optim.hpp>

@@ -1,4 +1,4 @@
-// The three fuzz targets' bodies, in one translation unit (LibTorch's headers cost ~25 s each);
+// The fuzz targets' bodies, in one translation unit (LibTorch's headers cost ~25 s each);
 // each target_*.cpp is a two-line libFuzzer entry point that calls one of them.
 //
 // The contract every target checks: an input either loads (is computed) or throws
@@ -6,7 +6,6 @@
 // non-finite result of finite input, aborts: libFuzzer reports it as a crash and keeps the input.
 #include "harness.hpp"
 #include "../scaled_policy.hpp"
-#include "../../examples/encoder/safetensors.hpp"
 
 #include <mixprec/io/checkpoint_file.hpp>
 #include <mixprec/mixprec.hpp>
@@ -533,46 +532,113 @@ int fuzz_ops_mask(const std::uint8_t* data, std::size_t size) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// The encoder example's safetensors reader: any bytes give tensors whose sizes fit the file, or
-// a mixprec::Error; never another exception, a crash or a read out of bounds (ASan).
+// The weight readers (mixprec/io/): any bytes give a state dict whose tensors fit the file, or a
+// mixprec::Error; never another exception, a crash or a read out of bounds (ASan). A state dict
+// read is then loaded into a small model (strict(false)): it loads, or the model is unchanged.
 
-void fuzz_safetensors_init() {
-  if (const auto dir = seed_dir()) {
-    const auto file = [](const std::string& header, std::size_t data) {
-      std::string bytes(8, '\0');
-      const std::uint64_t n = header.size();
-      std::memcpy(bytes.data(), &n, 8);
-      return bytes + header + std::string(data, '\x3f');
-    };
-    const auto save = [&](const std::string& name, const std::string& bytes) {
-      write_file((*dir / name).string(), bytes.data(), bytes.size());
-    };
-    save("two.safetensors", file(R"({"__metadata__":{"format":"pt"},"a":{"dtype":"F32","shape":[2,2],)"
-                                 R"("data_offsets":[0,16]},"b":{"dtype":"I64","shape":[1],"data_offsets":[16,24]}})",
-                                 24));
-    save("bf16.safetensors", file(R"({"w":{"dtype":"BF16","shape":[3],"data_offsets":[0,6]}})", 6));
-    save("empty.safetensors", file(R"({"e":{"dtype":"F16","shape":[0,4],"data_offsets":[0,0]}})", 0));
-    // As Python's save_file lays them out: empty tensors at the offsets of non-empty ones.
-    save("shared_offsets.safetensors",
-         file(R"({"__metadata__":{"format":"pt"},"b":{"dtype":"F32","shape":[4],"data_offsets":[0,16]},)"
-              R"("z":{"dtype":"F32","shape":[0,3],"data_offsets":[16,16]},"d":{"dtype":"F16","shape":[3],)"
-              R"("data_offsets":[16,22]},"c":{"dtype":"I8","shape":[2,0],"data_offsets":[22,22]}})", 22));
-    save("empties_only.safetensors", file(R"({"x":{"dtype":"F32","shape":[0],"data_offsets":[0,0]},)"
-                                          R"("y":{"dtype":"BOOL","shape":[0,5],"data_offsets":[0,0]}})", 0));
-    save("duplicate.safetensors", file(R"({"a":{"dtype":"U8","shape":[2],"data_offsets":[0,2]},)"
-                                       R"("a":{"dtype":"U8","shape":[2],"data_offsets":[2,4]}})", 4));
+namespace {
+
+torch::nn::Sequential* weights_model = nullptr;
+
+void write_weight_seed(const std::string& name, const std::string& bytes) {
+  if (const auto dir = seed_dir()) write_file((*dir / name).string(), bytes.data(), bytes.size());
+}
+
+void load_into_model(const mp::StateDict& dict, std::size_t input_size) {
+  std::size_t bytes = 0;
+  for (const auto& item : dict) {
+    const auto& t = item.value();
+    // What the tensor's bytes can reach: its storage, which the file holds.
+    bytes = std::max(bytes, static_cast<std::size_t>(t.storage().nbytes()));
+  }
+  if (bytes > input_size) violation("a weight reader made a storage larger than its input");
+  auto& model = *weights_model;
+  const auto before = copies(model->parameters());
+  const auto buffers = copies(model->buffers());
+  try {
+    mp::load_state_dict(*model, dict, mp::LoadOptions().strict(false));
+  } catch (const mp::Error&) {
+    if (!same_bits(copies(model->parameters()), before) || !same_bits(copies(model->buffers()), buffers)) {
+      violation("load_state_dict threw mixprec::Error but changed the model");
+    }
+  } catch (const std::exception& e) {
+    violation(std::string("load_state_dict threw a non-mixprec exception: ") + e.what());
   }
 }
 
+}  // namespace
+
+void fuzz_safetensors_init() {
+  weights_model = new torch::nn::Sequential(torch::nn::Linear(2, 2), torch::nn::BatchNorm1d(2));
+  const auto file = [](const std::string& header, std::size_t data) {
+    std::string bytes(8, '\0');
+    const std::uint64_t n = header.size();
+    std::memcpy(bytes.data(), &n, 8);
+    return bytes + header + std::string(data, '\x3f');
+  };
+  write_weight_seed("two.safetensors", file(R"({"__metadata__":{"format":"pt"},"a":{"dtype":"F32","shape":[2,2],)"
+                                            R"("data_offsets":[0,16]},"b":{"dtype":"I64","shape":[1],"data_offsets":[16,24]}})",
+                                            24));
+  write_weight_seed("bf16.safetensors", file(R"({"w":{"dtype":"BF16","shape":[3],"data_offsets":[0,6]}})", 6));
+  write_weight_seed("empty.safetensors", file(R"({"e":{"dtype":"F16","shape":[0,4],"data_offsets":[0,0]}})", 0));
+  // As Python's save_file lays them out: empty tensors at the offsets of non-empty ones.
+  write_weight_seed("shared_offsets.safetensors",
+                    file(R"({"__metadata__":{"format":"pt"},"b":{"dtype":"F32","shape":[4],"data_offsets":[0,16]},)"
+                         R"("z":{"dtype":"F32","shape":[0,3],"data_offsets":[16,16]},"d":{"dtype":"F16","shape":[3],)"
+                         R"("data_offsets":[16,22]},"c":{"dtype":"I8","shape":[2,0],"data_offsets":[22,22]}})", 22));
+  write_weight_seed("empties_only.safetensors", file(R"({"x":{"dtype":"F32","shape":[0],"data_offsets":[0,0]},)"
+                                                     R"("y":{"dtype":"BOOL","shape":[0,5],"data_offsets":[0,0]}})", 0));
+  write_weight_seed("duplicate.safetensors", file(R"({"a":{"dtype":"U8","shape":[2],"data_offsets":[0,2]},)"
+                                                  R"("a":{"dtype":"U8","shape":[2],"data_offsets":[2,4]}})", 4));
+  // The model's own names: a file that loads.
+  write_weight_seed("model.safetensors",
+                    file(R"({"0.weight":{"dtype":"F32","shape":[2,2],"data_offsets":[0,16]},"0.bias":{"dtype":"F32",)"
+                         R"("shape":[2],"data_offsets":[16,24]},"1.num_batches_tracked":{"dtype":"I64","shape":[],)"
+                         R"("data_offsets":[24,32]},"1.running_mean":{"dtype":"F32","shape":[2],"data_offsets":[32,40]}})",
+                         40));
+}
+
 int fuzz_safetensors(const std::uint8_t* data, std::size_t size) {
+  mp::StateDict dict;
   try {
-    const auto tensors = encoder::parse_safetensors(data, size, "fuzz");
-    std::size_t bytes = 0;
-    for (const auto& [name, t] : tensors) bytes += static_cast<std::size_t>(t.nbytes());
-    if (bytes > size) violation("parse_safetensors made more tensor bytes than the input holds");
+    dict = mp::parse_safetensors(data, size, "fuzz");
   } catch (const mp::Error&) {
+    return 0;
   } catch (const std::exception& e) {
     violation(std::string("parse_safetensors threw a non-mixprec exception: ") + e.what());
   }
+  load_into_model(dict, size);
+  return 0;
+}
+
+// torch.save's files (zip archive, pickle, storages): seeds are the (name, tensor) pairs of
+// Trainer::save_fp32's LibTorch pickle, written here, and the files of Python's torch.save (2.13
+// and 1.13) in tests/fuzz/regressions/torch_save.
+void fuzz_torch_save_init() {
+  if (weights_model == nullptr) {
+    weights_model = new torch::nn::Sequential(torch::nn::Linear(2, 2), torch::nn::BatchNorm1d(2));
+  }
+  if (!seed_dir()) return;
+  std::vector<c10::IValue> pairs;
+  for (const auto& item : (*weights_model)->named_parameters()) {
+    pairs.emplace_back(c10::ivalue::Tuple::create({c10::IValue(item.key()), c10::IValue(item.value())}));
+  }
+  for (const auto& item : (*weights_model)->named_buffers()) {
+    pairs.emplace_back(c10::ivalue::Tuple::create({c10::IValue(item.key()), c10::IValue(item.value())}));
+  }
+  const auto bytes = torch::pickle_save(c10::IValue(c10::ivalue::Tuple::create(std::move(pairs))));
+  write_weight_seed("libtorch_pairs.pt", std::string(bytes.begin(), bytes.end()));
+}
+
+int fuzz_torch_save(const std::uint8_t* data, std::size_t size) {
+  mp::StateDict dict;
+  try {
+    dict = mp::parse_torch_save(data, size, "fuzz");
+  } catch (const mp::Error&) {
+    return 0;
+  } catch (const std::exception& e) {
+    violation(std::string("parse_torch_save threw a non-mixprec exception: ") + e.what());
+  }
+  load_into_model(dict, size);
   return 0;
 }

@@ -12,3 +12,5 @@ void fuzz_ops_mask_init();
 int fuzz_ops_mask(const std::uint8_t* data, std::size_t size);
 void fuzz_safetensors_init();
 int fuzz_safetensors(const std::uint8_t* data, std::size_t size);
+void fuzz_torch_save_init();
+int fuzz_torch_save(const std::uint8_t* data, std::size_t size);

@@ -1,5 +1,5 @@
 # cmake -DACTION=build -DSOURCE_DIR=... -DWORK_DIR=... -DGENERATOR=... -DTorch_DIR=... -DCXX=... -P run.cmake
-# cmake -DACTION=run -DWORK_DIR=... -DTARGET=trainer_load|scaler_load|ops_mask|safetensors -DSECONDS=40
+# cmake -DACTION=run -DWORK_DIR=... -DTARGET=trainer_load|scaler_load|ops_mask|safetensors|torch_save -DSECONDS=40
 #       [-DREGRESSIONS=tests/fuzz/regressions] -P run.cmake
 # build: configures and builds tests/fuzz with clang++ against the main build's LibTorch.
 # run: writes the target's seeds (real checkpoints, state dicts, op calls) and adds the saved

@@ -238,6 +238,28 @@ TEST_CASE("catalogue: bad calls on a training run are Errors that change nothing
        [](World& w) { w.trainer.scaler().update(kNaN); }},
       {"scaler().update(new_scale) above fp32's range", "update(new_scale) must be a positive normal",
        [](World& w) { w.trainer.scaler().update(1e39); }},
+      {"load_weights() of a missing file", "cannot read",
+       [&](World& w) { w.trainer.load_weights((tmp / "catalogue_missing.pt").string()); }},
+      {"load_weights() of a Trainer checkpoint", "is a mixprec checkpoint (Trainer::save)",
+       [](World& w) {
+         const auto path = write_file("catalogue_weights.ckpt", "");
+         w.trainer.save(path);
+         w.trainer.load_weights(path);
+       }},
+      {"load_state_dict() with a key missing and a shape that differs",
+       "1 of the model's tensors has no key (missing keys: 'fc2.bias'); 'fc1.weight' has shape [8, 5]",
+       [](World& w) {
+         auto weights = w.trainer.fp32_state_dict();
+         weights.erase("fc2.bias");
+         weights["fc1.weight"] = torch::zeros({8, 5});
+         w.trainer.load_state_dict(weights);
+       }},
+      {"mixprec::load_weights() into the model a Trainer trains", "load weights through it",
+       [](World& w) {
+         const auto path = (std::filesystem::path(MIXPREC_TEST_TMPDIR) / "catalogue_fp32.pt").string();
+         w.trainer.save_fp32(path, mp::WeightsFormat::pickle);
+         mp::load_weights(*w.net, path);
+       }},
   };
   for (const auto& row : rows) {
     SUBCASE(row.input) {

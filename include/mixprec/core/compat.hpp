@@ -162,5 +162,59 @@ inline float float8_value(c10::ScalarType, std::uint8_t) {
 }
 #endif
 
+// A dtype as Python's files name it: torch's name ("float32", as in torch.float32, which
+// torch.save's _rebuild_tensor_v3 pickles), safetensors' ("F32"; empty where it has none), the
+// legacy storage class torch.save pickles for it ("FloatStorage"; empty for the dtypes it saves as
+// untyped bytes), LibTorch's ScalarType (Undefined where this LibTorch lacks it) and the LibTorch
+// version that has it.
+struct FileDtype {
+  std::string_view torch, safetensors, storage;
+  c10::ScalarType type;
+  std::string_view since;
+};
+
+inline const std::vector<FileDtype>& file_dtypes() {
+  using c10::ScalarType;
+  [[maybe_unused]] constexpr auto none = ScalarType::Undefined;
+  static const std::vector<FileDtype> dtypes{
+      {"float64", "F64", "DoubleStorage", ScalarType::Double, "1.13"},
+      {"float32", "F32", "FloatStorage", ScalarType::Float, "1.13"},
+      {"float16", "F16", "HalfStorage", ScalarType::Half, "1.13"},
+      {"bfloat16", "BF16", "BFloat16Storage", ScalarType::BFloat16, "1.13"},
+      {"int64", "I64", "LongStorage", ScalarType::Long, "1.13"},
+      {"int32", "I32", "IntStorage", ScalarType::Int, "1.13"},
+      {"int16", "I16", "ShortStorage", ScalarType::Short, "1.13"},
+      {"int8", "I8", "CharStorage", ScalarType::Char, "1.13"},
+      {"uint8", "U8", "ByteStorage", ScalarType::Byte, "1.13"},
+      {"bool", "BOOL", "BoolStorage", ScalarType::Bool, "1.13"},
+      {"complex64", "C64", "ComplexFloatStorage", ScalarType::ComplexFloat, "1.13"},
+      {"complex128", "", "ComplexDoubleStorage", ScalarType::ComplexDouble, "1.13"},
+#if MIXPREC_TORCH_AT_LEAST(2, 1)
+      {"float8_e4m3fn", "F8_E4M3", "", ScalarType::Float8_e4m3fn, "2.1"},
+      {"float8_e5m2", "F8_E5M2", "", ScalarType::Float8_e5m2, "2.1"},
+#else
+      {"float8_e4m3fn", "F8_E4M3", "", none, "2.1"},
+      {"float8_e5m2", "F8_E5M2", "", none, "2.1"},
+#endif
+#if MIXPREC_TORCH_AT_LEAST(2, 2)
+      {"float8_e4m3fnuz", "F8_E4M3FNUZ", "", ScalarType::Float8_e4m3fnuz, "2.2"},
+      {"float8_e5m2fnuz", "F8_E5M2FNUZ", "", ScalarType::Float8_e5m2fnuz, "2.2"},
+#else
+      {"float8_e4m3fnuz", "F8_E4M3FNUZ", "", none, "2.2"},
+      {"float8_e5m2fnuz", "F8_E5M2FNUZ", "", none, "2.2"},
+#endif
+#if MIXPREC_TORCH_AT_LEAST(2, 3)
+      {"uint16", "U16", "", ScalarType::UInt16, "2.3"},
+      {"uint32", "U32", "", ScalarType::UInt32, "2.3"},
+      {"uint64", "U64", "", ScalarType::UInt64, "2.3"},
+#else
+      {"uint16", "U16", "", none, "2.3"},
+      {"uint32", "U32", "", none, "2.3"},
+      {"uint64", "U64", "", none, "2.3"},
+#endif
+  };
+  return dtypes;
+}
+
 }  // namespace detail
 }  // namespace mixprec

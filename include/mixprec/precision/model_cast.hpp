@@ -2,8 +2,10 @@
 // What a Trainer does to its model as a whole: casting its parameters and buffers to a policy's
 // low dtype, module by module, so that BatchNorm can stay fp32 (LibTorch's batch_norm takes
 // bf16/fp16 input with fp32 weights and running statistics; layer_norm and group_norm do not on
-// the CPU of LibTorch 1.13); and claiming it, so that a second Trainer cannot cast or step it too.
+// the CPU of LibTorch 1.13). Claiming it, so that a second Trainer cannot cast or step it too,
+// is core/model_claim.hpp.
 
+#include <mixprec/core/model_claim.hpp>
 #include <mixprec/core/tensor_set.hpp>
 #include <mixprec/core/error.hpp>
 
@@ -225,58 +227,5 @@ inline void check_dense_gradients(const torch::nn::Module& model, const std::vec
                   "weight out of the optimizer");
   }
 }
-
-/// A live Trainer's hold on its model's parameters. The registry keeps weak references, so the
-/// hold ends with the Trainer that has it (moving a Trainer moves its hold).
-class ModelClaim {
- public:
-  /// Claims `params` for a Trainer of `policy`; throws if a live Trainer other than the holder
-  /// of `previous` (the caller's own earlier claim) trains any of them.
-  /// Whether a live Trainer trains any of `params`.
-  static bool any_claimed(const std::vector<at::Tensor>& params) {
-    auto& registry = instance();
-    std::lock_guard<std::mutex> lock(registry.mutex);
-    for (const auto& p : params) {
-      const auto it = registry.owners.find(p.unsafeGetTensorImpl());
-      if (it != registry.owners.end() && !it->second.expired()) return true;
-    }
-    return false;
-  }
-
-  static std::shared_ptr<ModelClaim> acquire(const std::vector<at::Tensor>& params,
-                                             std::string_view policy,
-                                             const ModelClaim* previous = nullptr) {
-    auto& registry = instance();
-    std::lock_guard<std::mutex> lock(registry.mutex);
-    std::erase_if(registry.owners, [](const auto& entry) { return entry.second.expired(); });
-    for (const auto& p : params) {
-      const auto it = registry.owners.find(p.unsafeGetTensorImpl());
-      if (it == registry.owners.end()) continue;
-      const auto owner = it->second.lock();
-      MIXPREC_CHECK(owner == nullptr || owner.get() == previous, "Trainer<", policy, ">: a "
-                    "parameter of shape ", p.sizes(), " is trained by another Trainer<",
-                    owner->policy_, "> that is still alive. A Trainer casts its model and owns "
-                    "its gradients, so a second one would break the first one's steps: destroy "
-                    "the first Trainer (or train every part through one model and one Trainer)");
-    }
-    std::shared_ptr<ModelClaim> claim(new ModelClaim(std::string(policy)));
-    for (const auto& p : params) registry.owners[p.unsafeGetTensorImpl()] = claim;
-    return claim;
-  }
-
- private:
-  explicit ModelClaim(std::string policy) : policy_(std::move(policy)) {}
-
-  struct Registry {
-    std::mutex mutex;
-    std::unordered_map<const void*, std::weak_ptr<ModelClaim>> owners;  // by TensorImpl
-  };
-  static Registry& instance() {
-    static Registry registry;
-    return registry;
-  }
-
-  std::string policy_;
-};
 
 }  // namespace mixprec::detail

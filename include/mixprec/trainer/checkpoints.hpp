@@ -1,6 +1,7 @@
 #pragma once
 // What survives a restart, as the Trainer's own methods: save() and load() to a path (atomic,
-// with a checksum) or an archive of the caller's, the fp32 export, and LibTorch's composition
+// with a checksum) or an archive of the caller's, the fp32 export, weights from Python's files
+// (load_weights, load_state_dict: trainer/load_weights.hpp), and LibTorch's composition
 // (`archive << trainer`, `torch::save(trainer, path)`, `torch::load(trainer, path)`). Trainer<P>
 // derives from TrainerCheckpoints<P>, which reads its parts through friendship: the format is
 // state.hpp, the data-parallel side ranks.hpp.
@@ -10,6 +11,7 @@
 #include <mixprec/fp8/layers.hpp>
 #include <mixprec/io/checkpoint_file.hpp>
 #include <mixprec/trainer/fp32_export.hpp>
+#include <mixprec/trainer/load_weights.hpp>
 #include <mixprec/trainer/policy_identity.hpp>
 #include <mixprec/trainer/ranks.hpp>
 #include <mixprec/trainer/schedule.hpp>
@@ -106,6 +108,24 @@ class TrainerCheckpoints {
     return detail::fp32_state_dict(*self().model_, masters_of(view));
   }
 
+  /// Weights into the trained model by name, under mixprec::load_state_dict's rules (strict,
+  /// shapes, dtypes, tied tensors: LoadOptions), with one Error and nothing changed unless all
+  /// fit. Under MixedO2 each fp32 master weight takes the state dict's value exactly and the
+  /// model its rounding, as after a step. The optimizer's state (Adam's moments, step counts)
+  /// and the scaler stay as they are, as PyTorch's model.load_state_dict leaves them. Call it
+  /// between optimizer steps. Data parallel: every rank loads the same weights (the next step's
+  /// forward sees rank 0's buffers); refused where the optimizer state is sharded (load into
+  /// the model before building the Trainer).
+  LoadReport load_state_dict(const StateDict& weights, const LoadOptions& options = {}) {
+    return load_weights_from("the state dict", [&] { return weights; }, options);
+  }
+
+  /// load_state_dict of the file at `path`: torch.save's or safetensors (read_state_dict).
+  LoadReport load_weights(const std::string& path, const LoadOptions& options = {}) {
+    return load_weights_from("'" + path + "'", [&] { return mixprec::read_state_dict(path, options.key()); },
+                             options);
+  }
+
   /// Writes fp32_state_dict() to `path` atomically: WeightsFormat::libtorch as Module::save
   /// writes a model, so that `torch::load(fp32_model, path)` reads it into a model of the same
   /// architecture built in fp32; WeightsFormat::pickle as a tuple of (name, tensor) pairs, which
@@ -136,6 +156,21 @@ class TrainerCheckpoints {
     const auto& t = self();
     return {policy_identity<P>(), *t.model_, view ? *view->optimizer : *t.optimizer_,
             masters_of(view), t.data_parallel_.get(), t.options_.fused_optimizer()};
+  }
+
+  template <class Read>
+  LoadReport load_weights_from(const std::string& source, Read&& read, const LoadOptions& options) {
+    auto& t = self();
+    t.check_not_busy("load_weights");
+    MIXPREC_CHECK(t.pending_ == 0, "load_weights() in the middle of an accumulation (",
+                  t.pending_, " of ", t.options_.accumulation_steps(), " micro-batches): load "
+                  "between optimizer steps; nothing was loaded");
+    MIXPREC_CHECK(!t.tensors_.sharded(), "load_weights() with the optimizer state sharded "
+                  "across ranks (DistributedOptions::shard_optimizer_state): load the weights "
+                  "into the model before building the Trainer; nothing was loaded");
+    auto report = load_into_trained(*t.model_, t.tensors_.masters(), read(), options, source);
+    t.buffers_synced_ = false;
+    return report;
   }
 
   void check_saveable(const UserValues& user) const {
