@@ -12,3 +12,4 @@
 #include <mixprec/core/capabilities.hpp>
 #include <mixprec/core/tensor_set.hpp>
 #include <mixprec/core/rng_states.hpp>
+#include <mixprec/core/recompute_state.hpp>
