@@ -8,7 +8,8 @@
 ///   auto group = mixprec::gloo_group(env);            // every rank, collectively
 ///   trainer_options.distributed(mixprec::DistributedOptions(group));
 
-#include <mixprec/distributed/data_parallel.hpp>
+#include <mixprec/distributed/options.hpp>
+#include <mixprec/io/checkpoint_file.hpp>  // message_of
 #include <mixprec/core/error.hpp>
 
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>

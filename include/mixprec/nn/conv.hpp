@@ -46,7 +46,7 @@ const T* variant_get_if(const Variant& v) noexcept {
 
 // A 2-D convolution of same-dtype tensors whose backward computes the input gradient in that
 // dtype and the weight and bias gradients in fp32, rounded once to the weight's dtype. The bias
-// is optional (undefined: see mixprec/detail/autograd_function.hpp); any input may need no
+// is optional (undefined: see mixprec/core/autograd_function.hpp); any input may need no
 // gradient (a network's first layer, a frozen weight).
 struct Fp32WeightGradConv2d : mixprec::detail::AutogradFunction<Fp32WeightGradConv2d> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& input,

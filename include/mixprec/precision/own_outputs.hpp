@@ -227,7 +227,7 @@ class OwnOutputWatch {
     return std::make_unique<Context>(watch->readings_.size() - 1);
 #else
     // A program built without NDEBUG must not call RecordFunction::inputs() against a release
-    // LibTorch (OpObserver::inputs_of, diagnostics.hpp): the op that failed stays unknown.
+    // LibTorch (OpObserver::inputs_of, diagnostics/op_observer.hpp): the op that failed stays unknown.
     (void)fn;
     watch->inputs_known_ = false;
     return nullptr;

@@ -4,7 +4,8 @@
 // Read from the model's gradients and, under MixedO2, the masters' where they hold them.
 
 #include <mixprec/core/tensor_set.hpp>
-#include <mixprec/diagnostics/non_finite.hpp>
+#include <mixprec/diagnostics/gradient_stats.hpp>
+#include <mixprec/diagnostics/overflow.hpp>
 #include <mixprec/optim/master_weights.hpp>
 
 #include <ATen/ATen.h>

@@ -2,7 +2,9 @@
 // What a Trainer is told and what it tells: TrainerOptions, StepReport, TrainerStats.
 
 #include <mixprec/distributed/step_group.hpp>
-#include <mixprec/diagnostics/non_finite.hpp>
+#include <mixprec/diagnostics/overflow.hpp>
+#include <mixprec/diagnostics/gradient_stats.hpp>
+#include <mixprec/diagnostics/non_finite_op.hpp>
 #include <mixprec/core/policy.hpp>
 #include <mixprec/scaling/scalers.hpp>
 

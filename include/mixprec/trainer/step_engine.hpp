@@ -44,6 +44,15 @@ class StepEngine final : public ScalerCore {
     set_scale(scale);
   }
 
+  /// The scale of a step's micro-batch: taken on the first, and the same after it (their
+  /// gradients add up), compared as the fp32 values the step uses (1000.1 is not an fp32 number).
+  void use_scale(double value, bool first_micro_batch) {
+    if (first_micro_batch) return use_scale(value);
+    MIXPREC_CHECK(static_cast<float>(value) == static_cast<float>(get_scale()), "the scaler's "
+                  "scale changed from ", get_scale(), " to ", value, " between micro-batches of "
+                  "one step: set it between optimizer steps");
+  }
+
   /// unscale_ and step in one, for an optimizer whose own step divides the gradients, such as
   /// mixprec::fused_adam_step: the gradients are checked for inf/NaN (under master weights,
   /// copied from grads_from first) but not divided; unless they hold inf/NaN,

@@ -4,7 +4,8 @@
 // gradients data parallel averages. One refresh for all of them, when the groups change.
 
 #include <mixprec/core/autocast.hpp>
-#include <mixprec/diagnostics/non_finite.hpp>
+#include <mixprec/diagnostics/overflow.hpp>
+#include <mixprec/diagnostics/gradient_stats.hpp>
 #include <mixprec/core/error.hpp>
 #include <mixprec/optim/master_weights.hpp>
 #include <mixprec/precision/model_cast.hpp>

@@ -19,12 +19,14 @@
 #include <mixprec/core/concepts.hpp>
 #include <mixprec/core/error.hpp>
 #include <mixprec/core/policy.hpp>
-#include <mixprec/diagnostics/non_finite.hpp>
+#include <mixprec/diagnostics/gradient_stats.hpp>
+#include <mixprec/diagnostics/non_finite_op.hpp>
 #include <mixprec/distributed/step_group.hpp>
 #include <mixprec/fp8/layers.hpp>
 #include <mixprec/precision/own_outputs.hpp>
 #include <mixprec/scaling/scalers.hpp>
 #include <mixprec/trainer/checkpoints.hpp>
+#include <mixprec/trainer/forward.hpp>
 #include <mixprec/trainer/gradient_reports.hpp>
 #include <mixprec/trainer/optimizer_step.hpp>
 #include <mixprec/trainer/step_engine.hpp>
@@ -47,19 +49,19 @@
 
 namespace mixprec {
 
-/// Trains `model` with `optimizer` under precision policy P (see policy.hpp).
+/// Trains `model` with `optimizer` under precision policy P (see core/policy.hpp).
 template <class P>
 class Trainer : public detail::TrainerCheckpoints<P> {
   static_assert(require_policy<P>);
   static_assert(LossScaler<typename P::scaler_type>,
                 "mixprec: the policy's scaler_type must satisfy mixprec::LossScaler: "
                 "get_scale(), update_scale(bool found_inf), state_dict() and "
-                "load_state_dict(dict), movable (mixprec/concepts.hpp)");
+                "load_state_dict(dict), movable (mixprec/core/concepts.hpp)");
 
  public:
   using policy = P;
   using scaler_type = typename P::scaler_type;
-  /// Options typed by the policy: what P cannot take does not compile (trainer_options.hpp).
+  /// Options typed by the policy: what P cannot take does not compile (trainer/options.hpp).
   using Options = BasicTrainerOptions<P>;
 
   /// Casts the model as P says and, for MixedO2, rebinds the optimizer to fp32 master weights.
@@ -136,15 +138,7 @@ class Trainer : public detail::TrainerCheckpoints<P> {
     check_not_busy("evaluate");
     const detail::Busy busy(busy_, "evaluate()'s forward");
     sync_buffers();
-    at::NoGradGuard no_grad;
-    detail::TrainingModeGuard mode(*model_, /*training=*/false);
-    const PolicyAutocast<P> guard(tensors_.device_types());
-    // LibTorch's dtype errors explained: a kept fp32 output read by a Low module, else a
-    // floating input that did not go through cast_input().
-    detail::OwnOutputWatch watch(*model_);
-    return detail::run_forward<P>("evaluate()'s forward", [&]() -> decltype(auto) {
-      return watch.run(forward);
-    });
+    return detail::evaluation_pass<P>(*model_, tensors_.device_types(), forward);
   }
 
   /// A batch in the policy's compute dtype: Low for MixedO2/PureHalf; unchanged for O0/O1 and
@@ -192,16 +186,7 @@ class Trainer : public detail::TrainerCheckpoints<P> {
     ++calls_;  // first: a call that throws counts too (DataParallel::agree_step)
     // The scaler's scale for this step, checked before anything changes (the forward pass
     // included); the micro-batches of one step share it, as their gradients add up.
-    if (pending_ == 0) {
-      engine_.use_scale(scaler_.get_scale());
-    } else {
-      // Compared as the fp32 values the step uses: a scale like 1000.1 is not an fp32 number.
-      MIXPREC_CHECK(static_cast<float>(scaler_.get_scale()) ==
-                        static_cast<float>(engine_.get_scale()), "the "
-                    "scaler's scale changed from ", engine_.get_scale(), " to ",
-                    scaler_.get_scale(), " between micro-batches of one step: set it between "
-                    "optimizer steps");
-    }
+    engine_.use_scale(scaler_.get_scale(), /*first_micro_batch=*/pending_ == 0);
     // A param group added, or a new optimizer assigned to the one the Trainer holds, is
     // adopted before the forward pass, which must already see its tensors cast.
     adopt_optimizer_changes();
@@ -211,18 +196,10 @@ class Trainer : public detail::TrainerCheckpoints<P> {
     // No gradient is visible while loss_fn runs: none after the last optimizer step, the
     // micro-batches' partial sums held aside (a gradient made here is loss_fn's backward()).
     if (pending_ == 0) tensors_.clear_grads(*optimizer_);
-    at::Tensor loss;
-    std::optional<NonFiniteOp> non_finite_op;
-    {
-      std::optional<NonFiniteOpFinder> finder;
-      if (options_.find_non_finite_op()) finder.emplace();
-      const PolicyAutocast<P> guard(tensors_.device_types());
-      detail::OwnOutputWatch watch(*model_);
-      loss = detail::run_forward<P>("step()'s loss_fn", [&] { return watch.run(loss_fn); });
-      if (finder) non_finite_op = finder->first();
-    }
-    const auto loss32 = detail::checked_loss(loss);
-    check_no_backward_in_loss_fn();
+    auto forward = detail::forward_pass<P>(*model_, tensors_.device_types(),
+                                           options_.find_non_finite_op(), loss_fn);
+    const auto loss32 = forward.loss;
+    detail::check_no_backward_in(*model_, tensors_, P::name);
     // The last step's graph (its saved tensors freed by backward) lives until this forward has
     // run, as the `loss` variable of a hand-written loop keeps it: the parameters' gradient
     // accumulators are then reused instead of made anew each step.
@@ -235,7 +212,7 @@ class Trainer : public detail::TrainerCheckpoints<P> {
     const auto to_backprop = n > 1 ? loss32 / static_cast<double>(n) : loss32;
     StepReport report;
     report.scale = engine_.get_scale();
-    report.non_finite_op = std::move(non_finite_op);
+    report.non_finite_op = std::move(forward.non_finite_op);
     // Data parallel: gradients travel during the backward pass of the last micro-batch only.
     const bool reduce = data_parallel_ && pending_ + 1 == n;
     if (data_parallel_) {
@@ -354,18 +331,6 @@ class Trainer : public detail::TrainerCheckpoints<P> {
                   "optimizer steps");
     tensors_.adopt(*model_, *optimizer_);
     if (data_parallel_) tensors_.bind(*data_parallel_, *model_);  // the new masters' averages
-  }
-
-  // After loss_fn: with every gradient cleared or held aside before it ran, a model tensor
-  // with a gradient now means that loss_fn ran a backward pass itself, which the Trainer's own
-  // (scaled) one would add to, or fail on ("backward through the graph a second time").
-  void check_no_backward_in_loss_fn() {
-    const auto name = tensors_.first_with_grad(*model_);
-    if (name.empty()) return;
-    tensors_.clear_model_grads();  // the partial sums of earlier micro-batches stay held
-    detail::fail("loss_fn ran a backward pass itself (parameter '", name, "' has a gradient "
-                 "after it): return the loss and let the Trainer run backward(), which scales "
-                 "it for ", P::name, ", accumulates and steps. Nothing was stepped");
   }
 
   void notify(const StepReport& report) const {

@@ -1,0 +1,204 @@
+#pragma once
+// Owns ZeRO-1 (DistributedOptions::shard_optimizer_state): the optimizer's tensors laid out in
+// buckets and sliced across the ranks (bucket_layout.hpp), each replaced in the optimizer by
+// this rank's piece of it (an fp32 master, or a view of the model's tensor), so that the
+// optimizer keeps and steps 1/world_size of the state; after a step, every rank's updated
+// pieces gathered into every rank's model; the clipping norm's parts summed over the shards.
+// The gradient reducer puts each piece's averaged gradient in place; sharded_checkpoint.hpp
+// reads and writes the consolidated state through gather_slices.
+//
+// ZeRO-3 extends this room: its units are BucketRanges whose pieces are the parameters' only
+// storage; gather_into_model(range) before a unit's forward and again for its backward, the
+// model's full tensors freed after each.
+
+#include <mixprec/distributed/agreement.hpp>
+#include <mixprec/distributed/bucket_layout.hpp>
+#include <mixprec/distributed/collectives.hpp>
+#include <mixprec/distributed/gradient_reducer.hpp>
+#include <mixprec/optim/sharded_state.hpp>
+#include <mixprec/core/tensor_set.hpp>
+#include <mixprec/core/error.hpp>
+
+#include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
+#include <torch/optim/optimizer.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+namespace mixprec::detail {
+
+class ShardedOptimizer {
+ public:
+  ShardedOptimizer(const Collectives& comm, GradientReducer& reducer)
+      : comm_(comm), reducer_(reducer) {}
+  ShardedOptimizer(const ShardedOptimizer&) = delete;
+  ShardedOptimizer& operator=(const ShardedOptimizer&) = delete;
+
+  /// Lays out the optimizer's tensors listed in `fresh` (model tensors, each with its fp32
+  /// value from before the model's cast, needed where `copies` and the tensor is not fp32) in
+  /// new buckets after the existing ones, each bucket split into world_size equal slices, and
+  /// replaces each of them in the optimizer by this rank's piece of it: an fp32 copy (a master
+  /// weight) where `copies` and the tensor is not fp32, a view of it otherwise; a tensor with no
+  /// element in this rank's slices leaves the optimizer. Every other tensor the optimizer holds
+  /// must be a piece already. Collective; the reducer's bind() hooks the gradients next.
+  void shard(torch::optim::Optimizer& optimizer,
+             const std::vector<std::pair<at::Tensor, at::Tensor>>& fresh, bool copies) {
+    auto& layout = reducer_.layout();
+    MIXPREC_CHECK(reducer_.sharded(), "DataParallel::shard() needs DistributedOptions::shard_optimizer_state");
+    check_shardable(optimizer);
+    MIXPREC_CHECK(optimizer_ == nullptr || optimizer_ == &optimizer, "DataParallel::shard(): "
+                  "the optimizer is not the one sharded before");
+    std::unordered_map<const void*, std::size_t> fresh_index;
+    std::int64_t total = 0;
+    for (std::size_t i = 0; i < fresh.size(); ++i) {
+      const auto& t = fresh[i].first;
+      fresh_index.emplace(t.unsafeGetTensorImpl(), i);
+      MIXPREC_CHECK(t.is_contiguous(), "shard_optimizer_state: a parameter of shape ", t.sizes(),
+                    " is not contiguous; make it so before building the Trainer");
+      MIXPREC_CHECK(layout.find(t) == BucketLayout::npos, "a param group added to the "
+                    "optimizer holds a model tensor of shape ", t.sizes(), " that it already "
+                    "trains (sharded, in an earlier group): put each tensor in one group");
+      MIXPREC_CHECK(!copies || t.scalar_type() == at::kFloat || fresh[i].second.defined(),
+                    "DataParallel::shard(): no fp32 value for a ", t.scalar_type(), " tensor");
+      total += t.numel();
+    }
+    // In the optimizer's order, grouped as it groups them (what an unsharded optimizer holds).
+    std::vector<std::vector<std::size_t>> order(optimizer.param_groups().size());
+    std::vector<std::size_t> group_of(fresh.size(), order.size());
+    for (std::size_t g = 0; g < optimizer.param_groups().size(); ++g) {
+      for (const auto& p : unique_tensors(optimizer.param_groups()[g].params())) {
+        const void* id = p.unsafeGetTensorImpl();
+        if (piece_slot_.count(id) == 1) continue;
+        const auto it = fresh_index.find(id);
+        MIXPREC_CHECK(it != fresh_index.end(), "the optimizer holds a tensor of shape ",
+                      p.sizes(), " that is not a parameter of the model: build it on "
+                      "model->parameters()");
+        MIXPREC_CHECK(group_of[it->second] == order.size(), "a tensor of shape ", p.sizes(),
+                      " is in param groups ", group_of[it->second], " and ", g, " of the "
+                      "optimizer (PyTorch refuses this too): put each tensor in one group");
+        group_of[it->second] = g;
+        order[g].push_back(it->second);
+      }
+    }
+    MIXPREC_CHECK(all_equal(comm_, static_cast<std::int64_t>(fresh.size()), total), "rank ",
+                  comm_.rank(), ": the ranks' optimizers hold different tensors (", fresh.size(),
+                  " tensors, ", total, " elements here): build the same optimizer on every rank");
+    // All checks passed.
+    reducer_.unbind();
+    optimizer_ = &optimizer;
+    groups_.resize(order.size());
+    std::vector<at::Tensor> params, holders;
+    std::vector<std::pair<std::size_t, std::size_t>> places;
+    for (std::size_t g = 0; g < order.size(); ++g) {
+      for (const auto i : order[g]) {
+        params.push_back(fresh[i].first);
+        holders.push_back(fresh[i].first);
+        places.emplace_back(g, groups_[g].size());
+        groups_[g].push_back(fresh[i].first);
+      }
+    }
+    const auto first_slot = layout.slots().size();
+    const auto range = reducer_.lay_out(params, holders);
+    layout.slice(range, comm_.world_size());
+    at::NoGradGuard no_grad;
+    for (auto b = range.first; b < range.last; ++b) {
+      for (const auto i : layout.buckets()[b].slots) {
+        auto& slot = layout.slots()[i];
+        const auto k = params.size() - 1 - (i - first_slot);  // lay_out went backwards
+        slot.group = places[k].first;
+        slot.index = places[k].second;
+        const auto [from, to] = layout.slice_of(i, comm_.rank());
+        if (from >= to) continue;
+        slot.piece_from = from;
+        const auto& value = fresh[fresh_index.at(slot.param.unsafeGetTensorImpl())].second;
+        slot.copy = copies && slot.param.scalar_type() != at::kFloat;
+        slot.piece = slot.copy ? value.detach().to(at::kFloat).reshape({-1}).narrow(0, from, to - from).clone()
+                               : slot.param.detach().view({-1}).narrow(0, from, to - from);
+        piece_slot_[slot.piece.unsafeGetTensorImpl()] = i;
+      }
+    }
+    reducer_.allocate_flats(at::TensorOptions(at::kFloat).device(comm_.device()));
+    for (std::size_t g = 0; g < order.size(); ++g) {
+      std::vector<at::Tensor> pieces;
+      for (const auto& p : unique_tensors(optimizer.param_groups()[g].params())) {
+        const void* id = p.unsafeGetTensorImpl();
+        if (piece_slot_.count(id) == 1) {
+          pieces.push_back(p);
+          continue;
+        }
+        const auto& piece = layout.slots()[layout.find(p)].piece;
+        if (piece.defined()) pieces.push_back(piece);
+      }
+      optimizer.param_groups()[g].params() = std::move(pieces);
+    }
+  }
+
+  /// After an optimizer step: every rank's updated pieces, rounded to the model's dtype, into
+  /// every rank's model (one all_gather per bucket, in the model's dtype where the bucket holds
+  /// one).
+  void gather_parameters() {
+    if (!reducer_.sharded()) return;
+    at::NoGradGuard no_grad;
+    gather_into_model(reducer_.layout().all());
+  }
+
+  /// Sums the clipping norm's parts over the ranks (each holds those of its slices).
+  void sum_over_shards(double& sum_of_squares, bool& non_finite) const {
+    auto parts = at::tensor({sum_of_squares, non_finite ? 1.0 : 0.0}, at::kDouble).to(comm_.device());
+    comm_.allreduce_(parts, c10d::ReduceOp::SUM, "gradient norm allreduce");
+    const auto sums = parts.cpu();
+    sum_of_squares = sums[0].item<double>();
+    non_finite = sums[1].item<double>() != 0.0;
+  }
+
+  /// The model tensors laid out, by the optimizer's param group, as an unsharded optimizer
+  /// would hold them.
+  const std::vector<std::vector<at::Tensor>>& groups() const noexcept { return groups_; }
+  /// The optimizer shard() replaced the tensors of (it must have run).
+  torch::optim::Optimizer& optimizer() { return *optimizer_; }
+  const BucketLayout& layout() const noexcept { return reducer_.layout(); }
+  const Collectives& comm() const noexcept { return comm_; }
+
+  /// The bucket's flat values (padded) from every rank's slice, in `dtype`: each rank fills its
+  /// slice with `part(slot)` of its pieces (undefined: zeros). Collective.
+  template <class Part>
+  at::Tensor gather_slices(const Bucket& bucket, c10::ScalarType dtype, Part&& part) const {
+    const auto& layout = reducer_.layout();
+    auto mine = at::zeros({bucket.chunk}, at::TensorOptions(dtype).device(comm_.device()));
+    for (const auto i : bucket.slots) {
+      const auto& slot = layout.slots()[i];
+      if (!slot.piece.defined()) continue;
+      const auto value = part(slot);
+      if (!value.defined()) continue;
+      mine.narrow(0, layout.in_slice(i, comm_.rank()), slot.piece.numel()).copy_(value.reshape({-1}));
+    }
+    return at::cat(comm_.all_gather(mine));
+  }
+
+ private:
+  // The pieces of the buckets in `range` into the model's tensors.
+  void gather_into_model(const BucketRange& range) {
+    const auto& layout = reducer_.layout();
+    for (auto b = range.first; b < range.last; ++b) {
+      const auto& bucket = layout.buckets()[b];
+      const auto full = gather_slices(bucket, layout.common_dtype(bucket),
+                                      [](const Slot& slot) { return slot.piece; });
+      for (const auto i : bucket.slots) {
+        const auto& slot = layout.slots()[i];
+        slot.param.detach().view({-1}).copy_(full.narrow(0, slot.offset, slot.param.numel()));
+      }
+    }
+  }
+
+  Collectives comm_;
+  GradientReducer& reducer_;
+  torch::optim::Optimizer* optimizer_ = nullptr;
+  std::vector<std::vector<at::Tensor>> groups_;
+  std::unordered_map<const void*, std::size_t> piece_slot_;  // the slot of each piece
+};
+
+}  // namespace mixprec::detail
