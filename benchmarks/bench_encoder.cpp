@@ -1,7 +1,7 @@
 // Fine-tuning the pretrained encoder (examples/encoder: all-MiniLM-L6-v2, 22.7M parameters, with
 // a classification head, AdamW, clipping at 1) per policy, with and without activation
 // checkpointing of every encoder layer, against Python's transformers (torch.autocast,
-// gradient_checkpointing_enable()) on the same model and data:
+// activation_checkpointing_enable()) on the same model and data:
 //  1. step time at batch 32 x 128 tokens: every configuration, both sides, one process per run;
 //     the runs interleaved, all configurations in each repetition, in alternating order, so that
 //     the machine's noise hits them alike; medians, quartiles, and ratios paired per repetition;
@@ -12,6 +12,9 @@
 //  3. the largest batch whose run stays within 3 GiB of peak RSS (the same glibc setting).
 //
 //   ./build/default/benchmarks/bench_encoder            full run (about 45 minutes on 2 cores)
+//   ./build/default/benchmarks/bench_encoder --checkpointing [--repetitions N]
+//                              the rows that checkpointing changes: fp32, MixedO1 and MixedO2
+//                              in bf16 with and without it, Python's fp32 and autocast likewise
 //   ./build/default/benchmarks/bench_encoder --smoke    tiny sizes (ctest)
 // MIXPREC_PYTHON: the Python with transformers (./scripts/bench sets it).
 #include "harness.hpp"
@@ -29,6 +32,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <map>
 #include <memory>
 #include <optional>
 #include <sstream>
@@ -209,8 +213,21 @@ int main(int argc, char** argv) {
   if (argc == 6 && std::string(argv[1]) == "--run") {
     return run_policy(argv[2], argv[3], argv[4], std::stoi(argv[5]));
   }
-  const auto options = bench::parse_options(argc, argv);
-  const bool smoke = options.smoke;
+  bool smoke = false, checkpointing_only = false;
+  int repetitions = 0;
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    if (arg == "--smoke") {
+      smoke = true;
+    } else if (arg == "--checkpointing") {
+      checkpointing_only = true;
+    } else if (arg == "--repetitions" && i + 1 < argc && std::atoi(argv[i + 1]) > 0) {
+      repetitions = std::atoi(argv[++i]);
+    } else {
+      std::cerr << "usage: " << argv[0] << " [--smoke] [--checkpointing] [--repetitions N]\n";
+      return 2;
+    }
+  }
   if (!std::filesystem::exists(std::string(MIXPREC_ENCODER_MODEL_DIR) + "/model.safetensors")) {
     std::cerr << "bench_encoder: no model in " << MIXPREC_ENCODER_MODEL_DIR
               << " (scripts/lib.sh unpacks it)\n";
@@ -221,7 +238,11 @@ int main(int argc, char** argv) {
   const int threads = 2;
   const std::int64_t batch = smoke ? 2 : 32, tokens = smoke ? 16 : 128;
   const int steps = smoke ? 2 : 3;
-  const int reps = smoke ? 1 : 5, warmup = smoke ? 0 : 1;
+  // --checkpointing is the short run: no warm-up repetition (each run is a process that times
+  // its steps after the first anyway), memory from the second step (AdamW's state exists then).
+  const int reps = repetitions > 0 ? repetitions : smoke ? 1 : 5;
+  const int warmup = smoke || checkpointing_only ? 0 : 1;
+  const int memory_steps = checkpointing_only ? 2 : steps;
   const auto dir = std::filesystem::temp_directory_path() /
                    ("mixprec_bench_encoder_" + std::to_string(::getpid()));
   std::filesystem::create_directories(dir);
@@ -235,12 +256,14 @@ int main(int argc, char** argv) {
                               {"MixedO1<BFloat16>, checkpointed", false, "bf16", false, true},
                               {"MixedO2<BFloat16>", false, "bf16-o2"},
                               {"MixedO2<BFloat16>, checkpointed", false, "bf16-o2", false, true}};
-  if (mp::fused_adam_available && !smoke) {
+  if (checkpointing_only) configs.erase(configs.begin() + 2, configs.begin() + 4);  // MixedO1's
+  const bool all_rows = !smoke && !checkpointing_only;
+  if (mp::fused_adam_available && all_rows) {
     configs.push_back({"FullPrecision, fused AdamW", false, "fp32", true});
     configs.push_back({"MixedO1<BFloat16>, fused AdamW", false, "bf16", true});
     configs.push_back({"MixedO2<BFloat16>, fused AdamW", false, "bf16-o2", true});
   }
-  if (mp::cpu_half_math && !smoke) {
+  if (mp::cpu_half_math && all_rows) {
     configs.push_back({"MixedO1<Half> + GradScaler", false, "fp16"});
     configs.push_back({"MixedO2<Half> + GradScaler", false, "fp16-o2"});
   }
@@ -260,6 +283,8 @@ int main(int argc, char** argv) {
         {"Python torch.autocast(float16) + GradScaler", true, "fp16"}};
     for (const auto& c : python_configs) {
       if (smoke && c.name != "Python fp32" && c.name != "Python fp32, checkpointed") continue;
+      if (checkpointing_only && c.name.find("fused") != std::string::npos) continue;
+      if (checkpointing_only && (c.policy == "fp16" || c.policy == "bf16-fp32-softmax")) continue;
       if (c.fused && !mp::fused_adam_available) continue;
       if (c.policy == "fp16" && !mp::cpu_half_math) continue;
       configs.push_back(c);
@@ -298,7 +323,7 @@ int main(int argc, char** argv) {
   std::vector<std::vector<double>> live(configs.size()), live_step(configs.size());
   for (int r = 0; r < memory_runs && ok; ++r) {
     for (std::size_t v = 0; v < configs.size(); ++v) {
-      const auto m = run(configs[v], data, steps, threads, "memory");
+      const auto m = run(configs[v], data, memory_steps, threads, "memory");
       if (!m || m->live_mib < 0) {
         std::cerr << "bench_encoder: memory of " << configs[v].name << " failed\n";
         ok = false;
@@ -318,7 +343,8 @@ int main(int argc, char** argv) {
       << "weight decay 0.01), clipping at 1, dropout 0.1, batch " << batch << " x " << tokens
       << " tokens (random ids, no padding), " << threads << " threads. *checkpointed*: every "
       << "encoder layer (mixprec: `apply_checkpointing(model, {\"" << kLayers << "\"})`; Python: "
-      << "transformers' `gradient_checkpointing_enable()`, torch.utils.checkpoint with "
+      << "transformers' `activation_checkpointing_enable()` (formerly "
+      << "`gradient_checkpointing_enable()`), torch.utils.checkpoint with "
       << "use_reentrant=False). *Python*: transformers' BertModel (eager attention) with the same "
       << "head, data and recipe (torch.autocast, GradScaler(\"cpu\")).\n\n"
       << "Step time: a run is a process of its own that reports the median of its " << steps - 1
@@ -329,7 +355,8 @@ int main(int argc, char** argv) {
       << "above 1 mixprec faster; *checkpointing costs*: the row's time over the same recipe "
       << "unchecked). Memory: *live tensors*: the peak of live tensor bytes during a step, as the "
       << "CPU allocator reports every allocation and free (the hook of PyTorch's profiler; Python: "
-      << "torch.profiler's memory events), in " << memory_runs << " runs of their own; *step's "
+      << "torch.profiler's memory events), in the last of " << memory_steps << " steps of "
+      << memory_runs << " runs of their own; *step's "
       << "own*: that peak above what was live when the step began (model, optimizer state): "
       << "activations, gradients, temporaries. Peak RSS: with MALLOC_MMAP_THRESHOLD_=65536, so "
       << "that glibc returns freed tensors to the system at once and the RSS follows the live "
@@ -378,12 +405,16 @@ int main(int argc, char** argv) {
   // soon as its RSS exceeds the budget.
   const double budget = smoke ? 1e9 : 3072;
   const std::int64_t first = smoke ? 2 : 16, cap = smoke ? 4 : 1024, grain = smoke ? 1 : 8;
-  std::vector<std::string> budgeted{"FullPrecision", "FullPrecision, checkpointed",
-                                    "MixedO2<BFloat16>", "MixedO2<BFloat16>, checkpointed"};
-  if (!smoke) budgeted.insert(budgeted.begin() + 2, {"MixedO1<BFloat16>", "MixedO1<BFloat16>, checkpointed"});
+  std::vector<std::string> budgeted{"FullPrecision", "FullPrecision, checkpointed"};
+  if (!checkpointing_only) budgeted.insert(budgeted.end(), {"MixedO2<BFloat16>", "MixedO2<BFloat16>, checkpointed"});
+  if (all_rows) budgeted.insert(budgeted.begin() + 2, {"MixedO1<BFloat16>", "MixedO1<BFloat16>, checkpointed"});
+  std::vector<const char*> python_budgeted{"Python fp32", "Python fp32, checkpointed"};
+  if (all_rows) {
+    python_budgeted.insert(python_budgeted.end(), {"Python torch.autocast(bfloat16)",
+                                                   "Python torch.autocast(bfloat16), checkpointed"});
+  }
   if (have_python) {
-    for (const auto* name : {"Python fp32", "Python fp32, checkpointed", "Python torch.autocast(bfloat16)",
-                             "Python torch.autocast(bfloat16), checkpointed"}) {
+    for (const auto* name : python_budgeted) {
       if (index_of(configs, name) >= 0) budgeted.push_back(name);
     }
   }
@@ -392,8 +423,10 @@ int main(int argc, char** argv) {
       << "by half, then bisected to a multiple of " << grain << "; each batch a process of 2 steps, "
       << "the first allocating AdamW's state, stopped once its RSS exceeds the budget)\n\n"
       << "| recipe | largest batch | its peak RSS MiB | smallest batch over | ratio to the same "
-      << "side's FullPrecision | batches tried |\n|---|---:|---:|---:|---:|---|\n";
+      << "side's FullPrecision | ratio to the same recipe unchecked | batches tried |\n"
+      << "|---|---:|---:|---:|---:|---:|---|\n";
   std::int64_t cpp_fp32 = 0, python_fp32 = 0;
+  std::map<std::string, std::int64_t> largest_of;
   for (const auto& name : budgeted) {
     const auto& c = configs[static_cast<std::size_t>(index_of(configs, name))];
     std::int64_t largest = 0, over = 0;
@@ -404,7 +437,10 @@ int main(int argc, char** argv) {
       if (!std::filesystem::exists(path)) write_batch(path, size, tokens);
       const auto m = run(c, path, 2, threads, "budget=" + bench::fixed(budget, 0));
       const bool fit = m && m->rss_mib <= budget;
-      tried += (tried.empty() ? "" : " ") + std::to_string(size) + (fit ? "" : "x");
+      // Appended piece by piece: GCC 12 at -O3 warns (falsely) on the concatenated temporary.
+      if (!tried.empty()) tried.push_back(' ');
+      tried.append(std::to_string(size));
+      if (!fit) tried.push_back('x');
       if (fit) {
         largest = size;
         largest_peak = m->rss_mib;
@@ -423,16 +459,27 @@ int main(int argc, char** argv) {
     }
     if (name == "FullPrecision") cpp_fp32 = largest;
     if (name == "Python fp32") python_fp32 = largest;
+    largest_of[name] = largest;
     const auto base = c.is_python ? python_fp32 : cpp_fp32;
+    const auto ratio = [&](std::int64_t of) {
+      return bench::fixed(of > 0 ? static_cast<double>(largest) / static_cast<double>(of) : 0.0, 2);
+    };
+    std::string unchecked;
+    const std::string suffix = ", checkpointed";
+    if (c.checkpoint && name.size() > suffix.size()) {
+      const auto it = largest_of.find(name.substr(0, name.size() - suffix.size()));
+      if (it != largest_of.end()) unchecked = ratio(it->second);
+    }
     out << "| " << (c.is_python ? "" : "mixprec ") << name << " | " << largest << " | "
         << bench::fixed(largest_peak, 0) << " | " << (over > 0 ? std::to_string(over) : "")
-        << " | " << bench::fixed(base > 0 ? static_cast<double>(largest) / static_cast<double>(base) : 0.0, 2)
-        << " | " << tried << " |\n";
+        << " | " << ratio(base) << " | " << unchecked << " | " << tried << " |\n";
   }
   out << "\n(x: over the budget.)";
   if (!have_python) out << " (No Python with transformers: no Python rows.)";
-  out << "\n\nCommand: `./build/default/benchmarks/bench_encoder` (MIXPREC_PYTHON: the Python with "
-      << "transformers; ./scripts/bench sets it)\n";
+  std::string command = "./build/default/benchmarks/bench_encoder";
+  for (int i = 1; i < argc; ++i) command += std::string(" ") + argv[i];
+  out << "\n\nCommand: `" << command << "` (MIXPREC_PYTHON: the Python with transformers; "
+      << "./scripts/bench sets it)\n";
   std::cout << out.str();
   std::filesystem::remove_all(dir);
   return ok ? 0 : 1;

@@ -9,8 +9,9 @@ MODE: fp32, bf16 (torch.autocast), fp16 (autocast + GradScaler("cpu")), or bf16-
 torch.autocast with the attention's softmax computed and returned in fp32, then cast to bf16 (as
 mixprec's MixedO1 computes ops::masked_softmax, and as CUDA's autocast lists softmax; the CPU's
 autocast leaves it in bf16). DATA: the C++ side's torch::pickle_save dict of ids, mask, labels.
-checkpoint: transformers' gradient_checkpointing_enable() (torch.utils.checkpoint with
-use_reentrant=False around every layer). memory: the whole run under torch.profiler with
+checkpoint: transformers' activation_checkpointing_enable(), formerly
+gradient_checkpointing_enable() (torch.utils.checkpoint with use_reentrant=False around every
+layer). memory: the whole run under torch.profiler with
 profile_memory=True, which reports every allocation and free of the CPU allocator: the peak of
 live tensor bytes during the last step, and what was live when it began (the C++ side reads the
 same reports, benchmarks/tensor_memory.hpp); the profiler slows the steps, so such a run is not
@@ -107,7 +108,10 @@ def main(mode, model_dir, data_path, steps, threads, *flags):
     data = torch.load(data_path, weights_only=False)
     model = Classifier(model_dir, 8).train()
     if "checkpoint" in flags:
-        model.bert.gradient_checkpointing_enable()
+        # transformers 5.23 names it activation_checkpointing_enable (gradient_checkpointing_enable
+        # is its deprecated alias); both checkpoint every layer with use_reentrant=False.
+        enable = getattr(model.bert, "activation_checkpointing_enable", None)
+        (enable or model.bert.gradient_checkpointing_enable)()
     fused = "fused" in flags
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01, fused=fused,
                                   foreach=None if fused else False)

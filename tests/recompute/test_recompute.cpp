@@ -101,7 +101,8 @@ Outcome train(bool checkpointed, int steps = 3, int accumulation = 2) {
   torch::optim::AdamW adamw(net->parameters(), torch::optim::AdamWOptions(1e-2));
   auto options = mp::TrainerOptions().accumulation_steps(accumulation).max_grad_norm(1.0);
   if constexpr (std::is_same_v<typename P::scaler_type, mp::GradScaler>) {
-    // Overflows at first: the steps skipped and the scale's backoffs must agree too.
+    // fp16 overflows at first: the steps skipped and the scale's backoffs must agree too. (bf16
+    // has fp32's range: its scale grows, which must agree.)
     options.scaler(mp::GradScalerOptions().init_scale(std::ldexp(1.0, 40)).growth_interval(2));
   }
   mp::Trainer<P> trainer(net, adamw, options);
@@ -151,7 +152,8 @@ void check_policy_bitwise() {
   CHECK(plain.scale == checkpointed.scale);
   CHECK(plain.skipped == checkpointed.skipped);
   if constexpr (std::is_same_v<typename P::scaler_type, mp::GradScaler>) {
-    CHECK(plain.skipped > 0);  // the scaler's path was taken
+    // The scaler's path was taken: fp16 skipped steps, bf16's scale grew.
+    CHECK((P::low_dtype == at::kHalf ? plain.skipped > 0 : plain.scale > std::ldexp(1.0, 40)));
   }
 }
 
@@ -338,12 +340,14 @@ TEST_CASE("checkpoint: a block that returns its input, one whose outputs need no
   CHECK(identical(x.grad(), torch::full({4, 3}, 3.0)));
   // Nothing that requires grad in, nothing out: as without the checkpoint, no graph at all.
   auto block = seeded_block(8);
-  const auto detached = mp::checkpoint([block](const at::Tensor& h) mutable { return block(h).detach(); }, x);
+  const auto x32 = torch::randn({4, 32}).requires_grad_();
+  const auto detached = mp::checkpoint([block](const at::Tensor& h) mutable { return block(h).detach(); }, x32);
   CHECK(!detached.requires_grad());
+  CHECK(!detached.grad_fn());
   for (const auto& p : block->parameters()) CHECK(!p.grad().defined());
   {
     torch::NoGradGuard no_grad;
-    const auto out = mp::checkpoint([block](const at::Tensor& h) mutable { return block(h); }, x);
+    const auto out = mp::checkpoint([block](const at::Tensor& h) mutable { return block(h); }, x32);
     CHECK(!out.requires_grad());
   }
 }
@@ -359,18 +363,22 @@ TEST_CASE("checkpoint: retain_graph lets backward recompute twice; double backwa
   loss.backward();
   CHECK(identical(x.grad(), first * 2));
   CHECK_THROWS_WITH_AS(loss.backward(), doctest::Contains("retain_graph=true"), mp::Error);
-  // A gradient penalty |d loss/d x|^2, differentiated for the weights and x.
+  // A gradient penalty |d loss/d x|^2, differentiated for the weights and x (the loss weighs
+  // the outputs: LayerNorm's output has a fixed norm, its squares' sum would not depend on x).
+  const auto weights = torch::randn({5, 32});
   const auto penalty = [&](bool checkpointed) {
     for (auto& p : block->parameters()) p.mutable_grad() = at::Tensor();
     auto input = x.detach().requires_grad_();
     auto y = checkpointed ? mp::checkpoint([block](const at::Tensor& h) mutable { return block(h); }, input)
                           : block(input);
-    auto g = torch::autograd::grad({y.pow(2).sum()}, {input}, {}, /*retain_graph=*/true,
+    auto g = torch::autograd::grad({(y * weights).sum()}, {input}, {}, /*retain_graph=*/true,
                                    /*create_graph=*/true)[0];
     g.pow(2).sum().backward();
     return std::vector<at::Tensor>{block->fc1->weight.grad().clone(), input.grad().clone()};
   };
   const auto expected = penalty(false), got = penalty(true);
+  MESSAGE("double backward (a gradient penalty), the weight's and the input's gradients: largest "
+          "difference " << largest_difference(expected, got));
   CHECK(identical(expected[0], got[0]));
   CHECK(identical(expected[1], got[1]));
   // ... which cannot stop at the block's input where that came from a weight the block uses.
@@ -466,6 +474,11 @@ TEST_CASE("Checkpointed<M> keeps M's names, state_dict, forward and modes; apply
   CHECK(mp::apply_checkpointing(seq, {"0"}) == std::vector<std::string>{"0"});
   CHECK(seq->forward(torch::randn({2, 4}).requires_grad_()).grad_fn()->next_edges()[0]
             .function->name() == "mixprec::CheckpointBackward");
+  // A Sequential (its forward a template) wrapped: called through its holder, as M is.
+  mp::nn::Checkpointed<torch::nn::Sequential> stack(torch::nn::Linear(4, 4), torch::nn::ReLU());
+  CHECK(stack->named_parameters().contains("0.weight"));
+  stack->set_checkpointing(true);
+  CHECK(stack(torch::randn({2, 4})).grad_fn()->name() == "mixprec::CheckpointBackward");
   CHECK(mp::apply_checkpointing(net, {"blocks.*"}) == std::vector<std::string>{"blocks.0", "blocks.1"});
   CHECK(first->checkpointing());
   std::ostringstream on;
@@ -505,7 +518,9 @@ TEST_CASE("the module form's bad inputs: Errors that name the fix, nothing chang
   CHECK_THROWS_WITH_AS(mp::apply_checkpointing(net, {"blocks.*", "blocks.0"}),
                        doctest::Contains("decides no module"), mp::Error);
   CHECK_THROWS_WITH_AS(mp::apply_checkpointing(net, {"blocks.0", "blocks.**"}),
-                       doctest::Contains("mixprec::nn::Checkpointed<torch::nn::Linear"), mp::Error);
+                       doctest::Contains("names module 'blocks.0.fc1' (mixprec::nn::Float8LinearImpl), which is "
+                                        "not declared as mixprec::nn::Checkpointed<mixprec::nn::Float8Linear>"),
+                       mp::Error);
   CHECK_THROWS_WITH_AS(mp::apply_checkpointing(net, {"head"}),
                        doctest::Contains("not declared as mixprec::nn::Checkpointed"), mp::Error);
   CHECK(none_on());

@@ -41,6 +41,18 @@
 #include <vector>
 
 namespace mixprec {
+namespace detail {
+
+/// The defined buffers of `module` and its submodules: what a recompute must put back.
+inline std::vector<at::Tensor> buffers_of(const torch::nn::Module& module) {
+  std::vector<at::Tensor> result;
+  for (const auto& b : module.buffers()) {
+    if (b.defined()) result.push_back(b);
+  }
+  return result;
+}
+
+}  // namespace detail
 
 /// Options of mixprec::checkpoint.
 class CheckpointOptions {
@@ -49,7 +61,7 @@ class CheckpointOptions {
   /// recompute's in-place updates of them (BatchNorm's running statistics) are undone, so that
   /// they are updated once per forward, as without the checkpoint.
   CheckpointOptions& keep_buffers(const torch::nn::Module& module) {
-    for (const auto& b : module.buffers()) buffers_.push_back(b);
+    for (const auto& b : detail::buffers_of(module)) buffers_.push_back(b);
     return *this;
   }
   const std::vector<at::Tensor>& buffers() const noexcept { return buffers_; }
@@ -166,8 +178,6 @@ auto checkpoint_block(const std::vector<at::Tensor>& buffers, Fn&& fn, Args&&...
   auto grad = requiring_grad(originals);
   std::vector<std::int64_t> versions;
   for (const auto& t : originals) versions.push_back(t.defined() ? t._version() : 0);
-  std::vector<std::int64_t> buffer_versions;
-  for (const auto& b : buffers) buffer_versions.push_back(b._version());
   auto state = RecordedState::capture();
 
   Result result;
@@ -197,15 +207,14 @@ auto checkpoint_block(const std::vector<at::Tensor>& buffers, Fn&& fn, Args&&...
   }
   // No output requires grad: nothing flows back, nothing to recompute.
   if (kept.empty()) return result;
-  std::vector<at::Tensor> updated;  // the buffers the forward pass updated
-  for (std::size_t i = 0; i < buffers.size(); ++i) {
-    if (buffers[i]._version() != buffer_versions[i]) updated.push_back(buffers[i]);
-  }
+  // Every buffer named, not only those whose version moved: BatchNorm's kernels update the
+  // running statistics in place without bumping their version counter (only
+  // num_batches_tracked's += 1 does), so the version cannot tell which ones the block updates.
   auto function = [block](const variable_list& tensors) { return flatten_result((*block)(tensors)); };
   auto node = make_autograd_node<CheckpointNode>(std::move(function), originals,
                                                  std::move(versions), std::move(grad),
                                                  std::move(state), std::move(leaves),
-                                                 std::move(kept), std::move(updated));
+                                                 std::move(kept), buffers);
   // The outputs, without the first run's graph (its saved activations go with it), as the
   // node's: each output that requires grad is one of its inputs, in order.
   const AutogradNodePtr as_node = node;

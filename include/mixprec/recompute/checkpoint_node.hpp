@@ -19,6 +19,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/SequenceNumber.h>
+#include <ATen/core/LegacyTypeDispatch.h>
 #include <ATen/core/grad_mode.h>
 #include <ATen/record_function.h>
 #include <c10/util/irange.h>
@@ -172,13 +173,6 @@ struct BlockRun {
 /// returns its outputs flattened.
 using BlockFunction = std::function<variable_list(const variable_list&)>;
 
-/// A buffer that the block may update in place (BatchNorm's running statistics), which the
-/// recompute must leave as the first run left it.
-struct KeptBuffer {
-  at::Tensor tensor;
-  std::int64_t version = 0;
-};
-
 /// The checkpoint's node in the caller's graph: one input per output of the block that requires
 /// grad, one output per edge: the block's inputs that require grad, then the leaves it reached.
 class CheckpointNode final : public torch::autograd::Node {
@@ -191,7 +185,7 @@ class CheckpointNode final : public torch::autograd::Node {
 
   /// `inputs` as the block was given them, with their versions then and whether each needs a
   /// gradient; the leaves and outputs (those that require grad) of its first run; `buffers`: the
-  /// buffers that run updated, to be restored after the recompute.
+  /// buffers the block may update in place, put back after the recompute as they were before it.
   CheckpointNode(BlockFunction block, variable_list inputs, std::vector<std::int64_t> versions,
                  std::vector<bool> grad, RecordedState state, edge_list leaves,
                  std::vector<Output> outputs, std::vector<at::Tensor> buffers)
@@ -250,7 +244,9 @@ class CheckpointNode final : public torch::autograd::Node {
       const at::AutoGradMode grad(true);
       const BlockSpan span;
       run.outputs = block_(inputs.tensors);
-      const at::NoGradGuard no_grad;
+      // Put back as BatchNorm's kernels update them: without bumping the version counter, which
+      // the recomputed graph (and any other holding these buffers) has saved and checks.
+      const at::AutoDispatchBelowADInplaceOrView below_autograd;
       for (std::size_t i = 0; i < buffers_.size(); ++i) buffers_[i].copy_(saved[i]);
       run.leaves = reached_leaves(run.outputs, inputs, span);
     }

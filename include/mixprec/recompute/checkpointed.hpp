@@ -50,11 +50,12 @@ class CheckpointedBase {
   bool checkpointing_ = false;
 };
 
-/// A module whose forward takes one tensor and returns one (a Linear, a norm layer, a block of
-/// the user's): its Checkpointed wrapper fits in a Sequential and can take a precision region.
+/// A module whose forward takes one tensor and returns one (a Linear, a norm layer, a
+/// Sequential, a block of the user's): its Checkpointed wrapper has a forward of one tensor that
+/// is no template, so that a ModuleHolder can call it and a Sequential hold it, and it can take
+/// a precision region.
 template <class Impl>
 concept OneTensorForward = requires(Impl& module, const at::Tensor& x) {
-  { &Impl::forward };
   { module.forward(x) } -> std::same_as<at::Tensor>;
 };
 
@@ -85,7 +86,7 @@ class CheckpointedForward<Derived, Impl, true> : public MappableBase {
     auto compute = [inner, region = region_](const at::Tensor& x) {
       return forward_in_region(region, x, [&](const at::Tensor& y) { return inner->forward(y); });
     };
-    return checkpoint_block(inner->buffers(), std::move(compute), input);
+    return checkpoint_block(buffers_of(*inner), std::move(compute), input);
   }
 
   const torch::nn::Module& wrapped() const override {
@@ -137,7 +138,7 @@ class CheckpointedImpl
     auto block = [inner = inner_.ptr(), f = std::decay_t<F>(std::forward<F>(f))](auto&&... a) mutable {
       return f(*inner, a...);
     };
-    return mixprec::detail::checkpoint_block(inner_->buffers(), std::move(block),
+    return mixprec::detail::checkpoint_block(mixprec::detail::buffers_of(*inner_), std::move(block),
                                              std::forward<Args>(args)...);
   }
 
