@@ -1,13 +1,14 @@
 """Python's torch.utils.checkpoint(use_reentrant=False) on the model of
 tests/recompute/test_recompute.cpp, for its parity case to compare against.
 
-    python parity_checkpoint.py INPUT OUTPUT
+    python parity_checkpoint.py INPUT OUTPUT [MODES]
 
 INPUT: a torch::pickle_save dict from the C++ side: the initial weights (param.NAME) and
 buffers (buffer.NAME), the input x, the labels y and the seed of the dropout stream. For each
 mode (fp32; bf16: torch.autocast on the CPU) and each way (plain; checkpoint: every block through
 torch.utils.checkpoint with use_reentrant=False), from those weights: one forward pass with the
-random generator seeded, cross-entropy, backward outside autocast. OUTPUT gets one line per
+random generator seeded, cross-entropy, backward outside autocast. MODES: a comma-separated
+subset of fp32,bf16 (default both; torch 1.13's norms cannot read bf16 with fp32 weights). OUTPUT gets one line per
 tensor, "MODE WAY NAME v1 v2 ...": the loss, x's gradient, each parameter's gradient and each
 buffer after the step, every value as repr() of a Python float (exact for fp32 and bf16).
 """
@@ -51,13 +52,13 @@ def write(out, mode, way, name, tensor):
     out.write(f"{mode} {way} {name} " + " ".join(repr(v) for v in values) + "\n")
 
 
-def main(input_path, output_path):
+def main(input_path, output_path, modes="fp32,bf16"):
     torch.set_num_threads(1)
     data = torch.load(input_path, weights_only=False)
     state = {k[len("param."):]: v for k, v in data.items() if k.startswith("param.")}
     state.update({k[len("buffer."):]: v for k, v in data.items() if k.startswith("buffer.")})
     with open(output_path, "w") as out:
-        for mode in ("fp32", "bf16"):
+        for mode in modes.split(","):
             for way in ("plain", "checkpoint"):
                 model = Net()
                 model.load_state_dict(state)
@@ -76,4 +77,4 @@ def main(input_path, output_path):
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:3])
+    main(*sys.argv[1:4])
