@@ -189,6 +189,10 @@ struct BertPoolerImpl : torch::nn::Module {
 };
 TORCH_MODULE(BertPooler);
 
+/// A layer whose activations apply_checkpointing can drop ("bert.encoder.layer.*", as
+/// transformers' gradient_checkpointing_enable() does): the same names and forward.
+using CheckpointedLayer = mixprec::nn::Checkpointed<BertLayer>;
+
 /// BertModel: embeddings, `num_hidden_layers` layers, the pooler (loaded, unused by the
 /// classifier, as in the checkpoint).
 struct BertModelImpl : torch::nn::Module {
@@ -197,7 +201,7 @@ struct BertModelImpl : torch::nn::Module {
         pooler(register_module("pooler", BertPooler(c))) {
     auto encoder = register_module("encoder", std::make_shared<torch::nn::Module>());
     layers = encoder->register_module("layer", torch::nn::ModuleList());
-    for (std::int64_t i = 0; i < c.num_hidden_layers; ++i) layers->push_back(BertLayer(c));
+    for (std::int64_t i = 0; i < c.num_hidden_layers; ++i) layers->push_back(CheckpointedLayer(c));
   }
   /// last_hidden_state [batch, tokens, hidden] of token ids [batch, tokens] (int64) where
   /// `mask` [batch, tokens] is true (or 1) at real tokens.
@@ -205,7 +209,14 @@ struct BertModelImpl : torch::nn::Module {
   at::Tensor forward(const at::Tensor& ids, const at::Tensor& mask) {
     const auto keep = mask.to(at::kBool).view({mask.size(0), 1, 1, mask.size(1)});
     auto x = embeddings(ids);
-    for (const auto& layer : *layers) x = layer->as<BertLayer>()->template forward<P>(x, keep);
+    for (const auto& layer : *layers) {
+      // run(): a layer whose forward is a template (the policy's softmax) is called through it.
+      x = layer->as<mixprec::nn::CheckpointedImpl<BertLayer>>()->run(
+          [](BertLayerImpl& l, const at::Tensor& h, const at::Tensor& k) {
+            return l.template forward<P>(h, k);
+          },
+          x, keep);
+    }
     return x;
   }
   BertEmbeddings embeddings;

@@ -4,6 +4,7 @@
 //
 //   finetune --policy bf16 --epochs 2            # MixedO1<BFloat16>: autocast, fp32 weights
 //   finetune --policy bf16-o2 --model DIR        # MixedO2<BFloat16>: bf16 model, fp32 masters
+//   finetune --policy bf16-o2 --checkpoint-layers  # every encoder layer's activations recomputed
 //
 // Policies: fp32, bf16, bf16-o2, fp16 (MixedO1<Half> + GradScaler), fp16-o2 (MixedO2<Half>).
 // The model comes from --model DIR, the build's copy (the scripts unpack it into
@@ -35,6 +36,7 @@ struct Options {
   std::size_t train = 4000, test = 1000, batch = 32, max_length = 32;
   double lr = 1e-4;
   std::uint64_t seed = 1;
+  bool checkpoint_layers = false;
 };
 
 template <class P>
@@ -53,6 +55,12 @@ int run(const Options& o) {
             << data.source << "\n";
   torch::manual_seed(static_cast<std::int64_t>(o.seed));
   auto model = encoder::pretrained_classifier(model_dir, static_cast<std::int64_t>(data.classes.size()));
+  if (o.checkpoint_layers) {
+    // Activation checkpointing: each layer keeps only its input for backward, which recomputes
+    // the rest in the same precision (docs/guide.md, "Memory").
+    const auto layers = mixprec::apply_checkpointing(model, {"bert.encoder.layer.*"});
+    std::cout << "checkpointing " << layers.size() << " layers (bert.encoder.layer.*)\n";
+  }
   torch::optim::AdamW optimizer(model->parameters(), torch::optim::AdamWOptions(o.lr).weight_decay(0.01));
   mixprec::Trainer<P> trainer(model, optimizer, mixprec::TrainerOptions().max_grad_norm(1.0));
   std::cout << "policy " << P::name << ", " << model_dir << "\n";
@@ -102,6 +110,8 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(3, 512));
   app.add_option("--lr", o.lr)->check(CLI::PositiveNumber);
   app.add_option("--seed", o.seed);
+  app.add_flag("--checkpoint-layers", o.checkpoint_layers,
+               "recompute each encoder layer's activations in backward instead of keeping them");
   CLI11_PARSE(app, argc, argv);
   try {
     if (o.policy == "fp32") return run<mixprec::FullPrecision>(o);

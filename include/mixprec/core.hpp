@@ -14,3 +14,4 @@
 #include <mixprec/core/parallel.hpp>
 #include <mixprec/core/tensor_set.hpp>
 #include <mixprec/core/rng_states.hpp>
+#include <mixprec/core/recompute_state.hpp>

@@ -10,6 +10,7 @@
 #include <mixprec/nn.hpp>
 #include <mixprec/precision.hpp>
 #include <mixprec/fp8.hpp>
+#include <mixprec/recompute.hpp>
 #include <mixprec/distributed.hpp>
 #include <mixprec/diagnostics.hpp>
 #include <mixprec/trainer.hpp>

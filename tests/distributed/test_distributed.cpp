@@ -901,6 +901,74 @@ void case_mapped(Rank& r) {
 }
 
 
+// Activation checkpointing under data parallel: a checkpointed block's parameters get their
+// gradients in the recompute's backward, where the bucket hooks fire; BatchNorm's statistics
+// are updated once and broadcast from rank 0. Trained with and without it on every rank (the
+// same weights, data and dropout stream), with accumulation, unsharded and sharded (ZeRO-1).
+struct CheckpointedNetImpl : torch::nn::Module {
+  CheckpointedNetImpl()
+      : in(register_module("in", torch::nn::Linear(8, 16))),
+        block(register_module("block", mp::nn::Checkpointed<torch::nn::Sequential>(
+                                            torch::nn::BatchNorm1d(16), torch::nn::ReLU(),
+                                            torch::nn::Dropout(0.25), torch::nn::Linear(16, 16)))),
+        out(register_module("out", torch::nn::Linear(16, 4))) {}
+  torch::Tensor forward(const torch::Tensor& x) { return out(block(torch::relu(in(x)))); }
+  torch::nn::Linear in;
+  mp::nn::Checkpointed<torch::nn::Sequential> block;
+  torch::nn::Linear out;
+};
+TORCH_MODULE(CheckpointedNet);
+
+std::ptrdiff_t net_parameter_count() {
+  return static_cast<std::ptrdiff_t>(CheckpointedNet()->parameters().size());
+}
+
+template <class P>
+void checkpointed_equivalence(Rank& r, bool sharded) {
+  const auto train = [&](bool checkpointed) {
+    torch::manual_seed(30 + r.rank);  // rank 0's weights win at construction
+    CheckpointedNet net;
+    if (checkpointed) mp::apply_checkpointing(net, {"block"});
+    torch::optim::AdamW adamw(net->parameters(), torch::optim::AdamWOptions(1.0 / 64));
+    auto options = mp::TrainerOptions().accumulation_steps(2).distributed(
+        mp::DistributedOptions(r.group).shard_optimizer_state(sharded).first_bucket_cap_mb(0.0005));
+    mp::Trainer<P> trainer(net, adamw, options);
+    auto gen = at::detail::createCPUGenerator(40 + r.rank);  // each rank its own data
+    torch::manual_seed(50 + r.rank);                          // and dropout stream
+    for (int k = 0; k < 6; ++k) {
+      const auto x = dyadic({4, 8}, gen);
+      trainer.step([&] { return net->forward(trainer.cast_input(x)).to(torch::kFloat).pow(2).mean(); });
+    }
+    std::vector<torch::Tensor> tensors;
+    for (const auto& p : net->parameters()) tensors.push_back(p.detach().clone());
+    for (const auto& b : net->buffers()) tensors.push_back(b.clone());
+    for (const auto& m : trainer.master_weights()) tensors.push_back(m.clone());
+    return tensors;
+  };
+  const auto plain = train(false), checkpointed = train(true);
+  double largest = 0.0;
+  for (std::size_t i = 0; i < plain.size() && i < checkpointed.size(); ++i) {
+    largest = std::max(largest, (plain[i].to(torch::kDouble) - checkpointed[i].to(torch::kDouble))
+                                    .abs().max().template item<double>());
+  }
+  std::cerr << "rank " << r.rank << " " << P::name << (sharded ? " sharded" : "") << " x" << r.world
+            << ": checkpointed against not, largest difference " << largest << " over "
+            << plain.size() << " tensors\n";
+  RANK_EXPECT(identical(plain, checkpointed), P::name << (sharded ? " sharded" : ""));
+  // The parameters agree across ranks; BatchNorm's statistics do not (each rank's forward
+  // updates its own after the broadcast from rank 0, as DDP's), nor sharded masters (slices).
+  const auto parameters = net_parameter_count();
+  RANK_EXPECT(same_on_every_rank(r, {checkpointed.begin(), checkpointed.begin() + parameters}),
+              "ranks' parameters differ");
+}
+
+void case_checkpointed(Rank& r) {
+  checkpointed_equivalence<mp::FullPrecision>(r, false);
+  checkpointed_equivalence<mp::MixedO2<at::BFloat16>>(r, false);
+  checkpointed_equivalence<mp::MixedO2<at::BFloat16>>(r, true);
+}
+
+
 // ---- Sharded optimizer state (DistributedOptions::shard_optimizer_state)
 
 enum class Opt { adamw, sgd };
@@ -1261,6 +1329,7 @@ const std::map<std::string, std::function<void(Rank&)>>& rank_cases() {
       {"buffers", case_buffers},
       {"evaluate", case_evaluate},
       {"mapped", case_mapped},
+      {"checkpointed", case_checkpointed},
       {"ddp_reference_fp32", case_ddp_reference<mp::FullPrecision>},
       {"ddp_reference_bf16", case_ddp_reference<mp::MixedO1<at::BFloat16>>},
       {"zero_reference", case_ddp_reference<mp::FullPrecision, /*zero=*/true>},
@@ -1546,6 +1615,10 @@ TEST_CASE("distributed: BatchNorm buffers follow rank 0's, parameters agree bitw
 
 TEST_CASE("distributed: a module a precision map keeps fp32 trains as in one process") {
   require_all_passed(run_ranks("mapped", 2));
+}
+
+TEST_CASE("distributed: checkpointed blocks train as without checkpointing, bitwise (accumulation, ZeRO-1)") {
+  require_all_passed(run_ranks("checkpointed", 2));
 }
 
 TEST_CASE("distributed: buffers as DDP's: rank 0's at each step's first micro-batch and before evaluate()") {

@@ -1,6 +1,7 @@
 #pragma once
-/// The base of mixprec's custom autograd Functions: how an optional tensor input (the bias of a
-/// bias-free layer) that is undefined reaches forward() and backward().
+/// The base of mixprec's custom autograd Functions (and how it makes graph nodes of its own):
+/// how an optional tensor input (the bias of a bias-free layer) that is undefined reaches
+/// forward() and backward().
 ///
 /// LibTorch's Function::apply reads the device of every tensor argument, so an undefined one
 /// throws "tensor does not have a device", with or without grad mode. LibTorch's own remedy,
@@ -15,10 +16,28 @@
 #include <c10/core/InferenceMode.h>
 #include <torch/csrc/autograd/custom_function.h>
 
+#include <memory>
 #include <type_traits>
 #include <utility>
 
 namespace mixprec::detail {
+
+/// How an autograd graph holds its nodes: std::shared_ptr in LibTorch 1.13, c10::intrusive_ptr
+/// in 2.13 (what an Edge holds, set_history takes and Engine::execute follows).
+using AutogradNodePtr = decltype(torch::autograd::Edge::function);
+
+/// A new autograd node of type T (a torch::autograd::Node of mixprec's own, for a graph built
+/// by hand), owned as the graph owns its nodes.
+template <class T, class... Args>
+auto make_autograd_node(Args&&... args) {
+  if constexpr (std::is_same_v<AutogradNodePtr, std::shared_ptr<torch::autograd::Node>>) {
+    // As LibTorch 1.13 makes its own: deleteNode frees a long chain without deep recursion
+    // (found by argument-dependent lookup: 2.13, which discards this branch, has none).
+    return std::shared_ptr<T>(new T(std::forward<Args>(args)...), [](T* node) { deleteNode(node); });
+  } else {
+    return c10::make_intrusive<T>(std::forward<Args>(args)...);
+  }
+}
 
 /// What an undefined tensor argument of a Function becomes: a tensor of no elements that needs
 /// no gradient, and is never handed out.

@@ -21,6 +21,7 @@
 #include <mixprec/core/parallel.hpp>
 #include <mixprec/precision/model_cast.hpp>
 #include <mixprec/core/error.hpp>
+#include <mixprec/core/recompute_state.hpp>
 #include <mixprec/nn/linear.hpp>
 #include <mixprec/core/policy.hpp>
 #include <mixprec/precision/precision_map.hpp>
@@ -263,7 +264,9 @@ class Float8LinearImpl : public torch::nn::LinearImpl, public mixprec::detail::M
         return out;
       }
       mixprec::nn::detail::check_linear_input("mixprec::nn::Float8Linear", x, weight);
-      fp8_->set_recording(at::GradMode::is_enabled());  // Function::apply turns grad off
+      // Function::apply turns grad off. A checkpoint's recompute replays a forward that has
+      // recorded its amaxes already: delayed scaling's histories take each step's once.
+      fp8_->set_recording(at::GradMode::is_enabled() && !mixprec::detail::recomputing());
       auto out = mixprec::detail::Fp8LinearFunction::apply(x, weight, fp8_);
       return bias.defined() ? out + bias.to(out.scalar_type()) : out;
     });
@@ -303,11 +306,16 @@ class Float8LinearImpl : public torch::nn::LinearImpl, public mixprec::detail::M
 
  private:
   // Under advise(): the operands' ranges, for its fp8 verdict.
+  // In a checkpointed block, each operand once: input and weight in the forward pass, the
+  // gradient in the recompute's backward (the first run's graph is dropped unused).
   void watch_fp8(mixprec::detail::Fp8Watch& watch, const at::Tensor& input, at::Tensor& out) {
     if (!at::isFloatingType(input.scalar_type())) return;
-    watch.add(this, Fp8Role::input, input);
-    watch.add(this, Fp8Role::weight, weight);
-    if (out.requires_grad()) {
+    const auto pass = mixprec::detail::checkpoint_pass();
+    if (pass != mixprec::detail::CheckpointPass::recompute) {
+      watch.add(this, Fp8Role::input, input);
+      watch.add(this, Fp8Role::weight, weight);
+    }
+    if (out.requires_grad() && pass != mixprec::detail::CheckpointPass::forward) {
       auto keep = mixprec::detail::Fp8Watch::current();  // alive as long as the graph
       out.register_hook([keep, self = this](const at::Tensor& grad) {
         keep->add(self, Fp8Role::grad_output, grad);
