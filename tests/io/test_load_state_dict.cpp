@@ -222,6 +222,31 @@ TEST_CASE("load_state_dict: a shape, a kind of dtype, a value beyond the model's
                        doctest::Contains("'count' holds values that Int, the dtype of the model, cannot hold (they would wrap around)"),
                        mp::Error);
   CHECK(torch::equal(counts.named_buffers()["count"], torch::tensor({5, -3}, at::kInt)));
+  // Across signedness a round trip restores the bits of a value that changed sign: uint8 200
+  // would load into int8 as -56, int8 -1 into uint8 as 255. Errors both.
+  torch::nn::Module bytes;
+  bytes.register_buffer("signed", torch::zeros({2}, at::kChar));
+  bytes.register_buffer("unsigned", torch::zeros({2}, at::kByte));
+  mp::StateDict flips;
+  flips.insert("signed", torch::tensor({7, 200}, at::kByte));
+  flips.insert("unsigned", torch::tensor({7, -1}, at::kChar));
+  const auto flip_message = [&] {
+    try {
+      mp::load_state_dict(bytes, flips);
+    } catch (const mp::Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("no Error");
+  }();
+  CAPTURE(flip_message);
+  CHECK(flip_message.find("'signed' holds values that Char, the dtype of the model, cannot hold") != std::string::npos);
+  CHECK(flip_message.find("'unsigned' holds values that Byte, the dtype of the model, cannot hold") != std::string::npos);
+  CHECK(torch::equal(bytes.named_buffers()["signed"], torch::zeros({2}, at::kChar)));
+  flips["signed"] = torch::tensor({7, 100}, at::kByte);
+  flips["unsigned"] = torch::tensor({7, 100}, at::kChar);
+  mp::load_state_dict(bytes, flips);  // values that fit load across signedness
+  CHECK(torch::equal(bytes.named_buffers()["signed"], torch::tensor({7, 100}, at::kChar)));
+  CHECK(torch::equal(bytes.named_buffers()["unsigned"], torch::tensor({7, 100}, at::kByte)));
 
   // fp16 holds up to 65504: 70000 would be inf in an fp16 model.
   torch::nn::Linear half(2, 2);

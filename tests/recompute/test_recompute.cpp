@@ -20,6 +20,7 @@
 #include <memory>
 #include <optional>
 #include <sstream>
+#include <stdexcept>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -251,6 +252,24 @@ TEST_CASE("checkpoint(fn, x): the output and every gradient bitwise as fn(x), wi
   CHECK(identical(state_of(*plain), state_of(*block)));
   // The random stream goes on as without the checkpoint: the recompute drew nothing from it.
   CHECK(identical(torch::rand({4}), next_plain));
+}
+
+TEST_CASE("checkpoint: a block that throws in its recompute leaves BatchNorm's statistics as the forward pass left them") {
+  const auto x = (torch::manual_seed(2), torch::randn({8, 32})).requires_grad_();
+  auto block = seeded_block(0);
+  const auto fail = std::make_shared<bool>(false);
+  torch::manual_seed(1);
+  const auto out = mp::checkpoint(mp::CheckpointOptions().keep_buffers(*block),
+                                  [block, fail](const at::Tensor& h) mutable {
+                                    auto y = block(h);
+                                    if (*fail) throw std::runtime_error("a test's failure in the recompute");
+                                    return y;
+                                  },
+                                  x);
+  const auto after_forward = state_of(*block);
+  *fail = true;  // as an out-of-memory error in the recompute, which a run may catch and go on from
+  CHECK_THROWS_WITH(out.sum().backward(), doctest::Contains("a test's failure in the recompute"));
+  CHECK(identical(state_of(*block), after_forward));
 }
 
 TEST_CASE("checkpoint without keep_buffers updates BatchNorm's statistics again, as Python's checkpoint does") {

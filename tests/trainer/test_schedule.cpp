@@ -10,6 +10,7 @@
 
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <filesystem>
@@ -194,6 +195,36 @@ TEST_CASE_TEMPLATE("a checkpoint holds the schedule: the resumed run has the uni
     if (i % 2 == 1) CHECK(lrs_of(s.sgd) == lrs[static_cast<std::size_t>(i - 8) / 2]);
   }
   CHECK(test::identical(test::snapshot(s.net->parameters()), weights));
+}
+
+// A scheduler whose get_lrs() keeps state of its own: the next lr of a list, per call.
+class ListLR : public torch::optim::LRScheduler {
+ public:
+  ListLR(torch::optim::Optimizer& optimizer, std::vector<double> lrs)
+      : LRScheduler(optimizer), groups_(optimizer.param_groups().size()), lrs_(std::move(lrs)) {}
+
+ private:
+  std::vector<double> get_lrs() override {
+    const auto lr = lrs_[std::min(next_, lrs_.size() - 1)];
+    ++next_;
+    return std::vector<double>(groups_, lr);
+  }
+  std::size_t groups_;
+  std::vector<double> lrs_;
+  std::size_t next_ = 0;
+};
+
+TEST_CASE("a scheduler's get_lrs() runs once per step, the first one (Python's constructor step) too") {
+  Setup s;
+  const auto scheduler = std::make_shared<ListLR>(s.sgd, std::vector<double>{0.4, 0.2, 0.1, 0.05});
+  std::vector<double> lrs;
+  mp::Trainer<mp::FullPrecision> trainer(
+      s.net, s.sgd,
+      mp::TrainerOptions().lr_scheduler(scheduler).on_step(
+          [&](const mp::StepReport& r) { lrs.push_back(r.lr); }));
+  for (std::int64_t i = 0; i < 3; ++i) micro(trainer, s, i);
+  CHECK(lrs == std::vector<double>{0.4, 0.2, 0.1});
+  CHECK(lrs_of(s.sgd) == std::vector<double>{0.05, 0.05});
 }
 
 TEST_CASE("a scheduler the Trainer drives and the user steps too is an Error that changes nothing") {

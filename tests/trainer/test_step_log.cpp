@@ -153,6 +153,35 @@ TEST_CASE("StepLogger and ProgressLine: bad settings and paths are Errors") {
   CHECK(out.str().empty());
 }
 
+TEST_CASE("StepLogger: a line that cannot be written is an Error; the step was taken, its "
+          "gradients cleared and the schedule advanced all the same") {
+  torch::manual_seed(9);
+  auto net = torch::nn::Linear(4, 2);
+  torch::optim::SGD sgd(net->parameters(), torch::optim::SGDOptions(0.1));
+  std::ostringstream out;
+  mp::StepLogger log(out);
+  std::vector<double> lrs;
+  mp::Trainer<mp::FullPrecision> trainer(
+      net, sgd,
+      mp::TrainerOptions()
+          .lr_lambda([](std::int64_t k) { return std::ldexp(1.0, -static_cast<int>(k)); })
+          .on_step([&](const mp::StepReport& r) {
+            lrs.push_back(r.lr);
+            log(r);
+          }));
+  const auto x = torch::randn({8, 4});
+  const auto loss_fn = [&] { return net->forward(x).pow(2).mean(); };
+  trainer.step(loss_fn);
+  out.setstate(std::ios::badbit);  // as a full disk leaves a stream
+  CHECK_THROWS_WITH_AS(trainer.step(loss_fn), doctest::Contains("could not be written"), mp::Error);
+  CHECK(trainer.stats().steps == 2);
+  for (const auto& p : net->parameters()) CHECK_FALSE(p.grad().defined());  // none for a 2nd update
+  out.clear();
+  trainer.step(loss_fn);
+  CHECK(lrs == std::vector<double>{0.1, 0.05, 0.025});  // not 0.05 twice
+  CHECK(lines_of(out.str()).size() == 3);  // the header, steps 1 and 3
+}
+
 TEST_CASE("ProgressLine: plain lines where the output is not a terminal, a redrawn line where it is") {
   SUBCASE("not a terminal (a string stream, as a file or a CI log): no \\r, no escape codes") {
     std::ostringstream out;

@@ -120,6 +120,15 @@ inline bool same_bits(const at::Tensor& a, const at::Tensor& b) {
   return x.nbytes() == 0 || std::memcmp(x.data_ptr(), y.data_ptr(), x.nbytes()) == 0;
 }
 
+// Whether a conversion between a signed and an unsigned integer dtype changed a value's sign:
+// the round trip back restores the bits of such a value (uint8 200 -> int8 -56 -> 200), so
+// same_bits alone would pass it. lt(0) runs on the signed side only (few kernels take uint64).
+inline bool sign_changed(const at::Tensor& source, const at::Tensor& value) {
+  const bool from_signed = at::isSignedType(source.scalar_type());
+  if (from_signed == at::isSignedType(value.scalar_type())) return false;
+  return (from_signed ? source : value).lt(0).any().item<bool>();
+}
+
 // Where a tensor's values are finite; fp8 through fp32 (its CPU kernels are few).
 inline at::Tensor finite(const at::Tensor& t) {
   const bool narrow_float = at::isFloatingType(t.scalar_type()) && t.element_size() == 1;
@@ -145,7 +154,8 @@ inline at::Tensor converted(const at::Tensor& source, at::ScalarType dtype, cons
               << " (element " << where << "), beyond the range of " << c10::toString(dtype)
               << ", the dtype of " << in << ": it would load as inf";
     }
-  } else if (kind == DtypeKind::integral && !same_bits(value.to(source.scalar_type()), source)) {
+  } else if (kind == DtypeKind::integral && (!same_bits(value.to(source.scalar_type()), source) ||
+                                              sign_changed(source, value))) {
     problem << "'" << name << "' holds values that " << c10::toString(dtype) << ", the dtype of "
             << in << ", cannot hold (they would wrap around)";
   }

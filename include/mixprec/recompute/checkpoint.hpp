@@ -18,7 +18,9 @@
 /// parameters need not be passed: those it reaches get their gradients, also when no input
 /// requires grad. Buffers it updates in place (BatchNorm's running statistics) are updated
 /// again by the recompute unless CheckpointOptions::keep_buffers names their module (the module
-/// form always keeps them).
+/// form always keeps them). The random states are the process's generators: nothing else may
+/// draw from them while a recompute runs (another thread's data loader, a second GPU's backward
+/// recomputing at the same time), or the masks differ from the first run's.
 
 #include <mixprec/core/error.hpp>
 #include <mixprec/core/recompute_state.hpp>

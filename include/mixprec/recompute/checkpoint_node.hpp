@@ -243,7 +243,13 @@ class CheckpointNode final : public torch::autograd::Node {
       for (const auto& b : buffers_) saved.push_back(b.clone());
       const at::AutoGradMode grad(true);
       const BlockSpan span;
-      run.outputs = block_(inputs.tensors);
+      try {
+        run.outputs = block_(inputs.tensors);
+      } catch (...) {  // a run that catches this and goes on keeps one update of the statistics
+        const at::AutoDispatchBelowADInplaceOrView below_autograd;
+        for (std::size_t i = 0; i < buffers_.size(); ++i) buffers_[i].copy_(saved[i]);
+        throw;
+      }
       // Put back as BatchNorm's kernels update them: without bumping the version counter, which
       // the recomputed graph (and any other holding these buffers) has saved and checks.
       const at::AutoDispatchBelowADInplaceOrView below_autograd;

@@ -97,11 +97,12 @@ class LrSchedule {
       check_scheduler_of(optimizer);
       // The first step start() makes, checked before the Trainer changes the model.
       if (LrSchedulerAccess::count(*scheduler_) == 0) {
-        const auto first = LrSchedulerAccess::next_lrs(*scheduler_);
-        for (std::size_t g = 0; g < first.size(); ++g) {
-          MIXPREC_CHECK(std::isfinite(first[g]) && first[g] >= 0, "TrainerOptions::lr_scheduler: "
-                        "its first step (the one Python's constructor makes) sets param group ",
-                        g, "'s lr to ", first[g], ": the lr must be finite and >= 0");
+        first_lrs_ = LrSchedulerAccess::next_lrs(*scheduler_);
+        for (std::size_t g = 0; g < first_lrs_.size(); ++g) {
+          MIXPREC_CHECK(std::isfinite(first_lrs_[g]) && first_lrs_[g] >= 0,
+                        "TrainerOptions::lr_scheduler: its first step (the one Python's "
+                        "constructor makes) sets param group ", g, "'s lr to ", first_lrs_[g],
+                        ": the lr must be finite and >= 0");
         }
       }
     }
@@ -114,7 +115,12 @@ class LrSchedule {
   /// that has not stepped makes its first step; lr_lambda sets each group's lr to base * f(0).
   void start(torch::optim::Optimizer& optimizer) {
     if (scheduler_) {
-      if (LrSchedulerAccess::count(*scheduler_) == 0) step_scheduler(optimizer, 0);
+      // LRScheduler::step() is get_lrs(), set them, count: with the lrs the constructor
+      // checked, so that a get_lrs() with state of its own runs once for this step.
+      if (LrSchedulerAccess::count(*scheduler_) == 0) {
+        set_group_lrs(optimizer, first_lrs_);
+        ++LrSchedulerAccess::count(*scheduler_);
+      }
       expected_count_ = LrSchedulerAccess::count(*scheduler_);
     } else if (factor_) {
       base_lrs_ = group_lrs(optimizer);
@@ -294,6 +300,7 @@ class LrSchedule {
   }
 
   std::shared_ptr<torch::optim::LRScheduler> scheduler_;
+  std::vector<double> first_lrs_;  // the lrs of its first step, checked by the constructor
   std::function<double(std::int64_t)> factor_;
   std::function<void(const std::string&)> on_warning_;
   std::int64_t accumulation_steps_ = 1;

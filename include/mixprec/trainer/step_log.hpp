@@ -226,6 +226,10 @@ class StepLogger {
           << '\n';
     }
     out.flush();  // a killed run keeps its lines
+    MIXPREC_CHECK(out.good(), "StepLogger: the line of optimizer step ", report.step,
+                  " could not be written (a full disk, a closed stream?): the log would go on "
+                  "without it. The step itself was taken; fix the output and clear() the stream, "
+                  "or log elsewhere");
     s.tally.end_line(now);
   }
 

@@ -282,7 +282,13 @@ class Trainer : public detail::TrainerCheckpoints<P> {
     }
     report.status = stepped ? StepStatus::stepped : StepStatus::skipped;
     report.step = counters_.steps;
-    notify(report);  // on_step may read the gradients
+    {
+      // The step is taken: an on_step that throws (a failed metrics push, a log that cannot be
+      // written) leaves no gradient for a second update, nor the schedule a step behind.
+      detail::OnUnwind finish_anyway([this] { finish_step_quietly(); });
+      notify(report);  // on_step may read the gradients
+      finish_anyway.dismiss();
+    }
     // None stays for an optimizer.step() of the user's to apply a second time (the habit of
     // Python's `scaler.step(opt); opt.step()`): PyTorch's zero_grad() after the step.
     tensors_.clear_grads(*optimizer_);
@@ -342,6 +348,15 @@ class Trainer : public detail::TrainerCheckpoints<P> {
 
   void notify(const StepReport& report) const {
     if (options_.on_step()) options_.on_step()(report);
+  }
+  // The end of a taken step while on_step's exception unwinds: that exception is the one the
+  // caller sees (a bad lr stays the old one, schedule.hpp).
+  void finish_step_quietly() noexcept {
+    try {
+      tensors_.clear_grads(*optimizer_);
+      schedule_.advance(*optimizer_, counters_.steps);
+    } catch (...) {
+    }
   }
 
   std::shared_ptr<torch::nn::Module> model_;
