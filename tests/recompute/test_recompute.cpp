@@ -717,7 +717,7 @@ void check_against_python(const std::vector<std::string>& modes) {
   const auto bytes = torch::pickle_save(c10::IValue(dict));
   std::ofstream(input, std::ios::binary).write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
   std::remove(output.c_str());
-  const auto script = std::filesystem::path(__FILE__).parent_path() / "parity_checkpoint.py";
+  const std::filesystem::path script = MIXPREC_CHECKPOINT_SCRIPT;
   std::string mode_list;
   for (const auto& mode : modes) mode_list += (mode_list.empty() ? "" : ",") + mode;
   const auto command = std::string(MIXPREC_SYSTEM_PYTHON) + " " + script.string() + " " + input +
