@@ -200,8 +200,12 @@ class TorchSaveObjects final : public PickleObjects {
       size.push_back(checked_int(*sizes.items[i], "size", source_));
       stride.push_back(checked_int(*strides.items[i], "stride", source_));
       if (size.back() == 0) numel = 0;
-      if (numel != 0 && size.back() > kMax / numel) overflow = true;
-      if (numel != 0) numel *= size.back();
+      if (numel == 0) continue;
+      if (size.back() > kMax / numel) {
+        overflow = true;  // not multiplied: that would overflow an int64 (UBSan's find)
+      } else {
+        numel *= size.back();
+      }
     }
     MIXPREC_CHECK(!overflow, "'", source_, "': a tensor of ", size.size(), " sizes has more "
                   "elements than an int64 counts: a damaged file");
