@@ -8,7 +8,9 @@
 #include <mixprec/core/compat.hpp>
 #include <mixprec/core/version.hpp>
 #include <mixprec/core/concepts.hpp>
+#include <mixprec/core/state_storage.hpp>
 #include <mixprec/core/policy.hpp>
+#include <mixprec/core/cpu_dispatch.hpp>
 #include <mixprec/core/autocast.hpp>
 #include <mixprec/core/capabilities.hpp>
 #include <mixprec/core/parallel.hpp>

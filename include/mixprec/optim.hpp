@@ -5,3 +5,6 @@
 
 #include <mixprec/optim/master_weights.hpp>
 #include <mixprec/optim/fused_adam.hpp>
+#include <mixprec/optim/lean_kernels.hpp>
+#include <mixprec/optim/lean_masters.hpp>
+#include <mixprec/optim/lean_moments.hpp>

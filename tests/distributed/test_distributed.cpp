@@ -1899,6 +1899,13 @@ TEST_CASE("distributed: bad DistributedOptions are an Error before the model cha
                          doctest::Contains("this optimizer is a torch::optim::Adagrad"),
                          mp::Error);
   }
+  SUBCASE("sharded optimizer state under a lean storage") {
+    CHECK_THROWS_WITH_AS(
+        mp::Trainer<mp::MixedO2<at::BFloat16, mp::RemainderMasters<>>>(net, *optimizer,
+            mp::TrainerOptions().distributed(
+                mp::DistributedOptions(group).shard_optimizer_state(true))),
+        doctest::Contains("the lean state is kept per whole tensor"), mp::Error);
+  }
   SUBCASE("sharded optimizer state reducing in fp16") {
     CHECK_THROWS_WITH_AS(mp::Trainer<mp::MixedO2<at::BFloat16>>(net, *optimizer,
                              mp::TrainerOptions().distributed(

@@ -17,6 +17,7 @@
 /// A custom policy derives from one of these and overrides members; it must keep PrecisionPolicy.
 
 #include <mixprec/core/concepts.hpp>
+#include <mixprec/core/state_storage.hpp>
 
 #include <c10/core/ScalarType.h>
 #include <c10/util/BFloat16.h>
@@ -49,6 +50,7 @@ struct LowPrecision<at::Half> {
   static constexpr std::string_view o1 = "MixedO1<Half>";
   static constexpr std::string_view o2 = "MixedO2<Half>";
   static constexpr std::string_view o3 = "PureHalf<Half>";
+  static constexpr std::string_view low_name = "Half";
   using dynamic_scaler = GradScaler;  // fp16's range is too narrow for unscaled gradients
 };
 
@@ -58,12 +60,29 @@ struct LowPrecision<at::BFloat16> {
   static constexpr std::string_view o1 = "MixedO1<BFloat16>";
   static constexpr std::string_view o2 = "MixedO2<BFloat16>";
   static constexpr std::string_view o3 = "PureHalf<BFloat16>";
+  static constexpr std::string_view low_name = "BFloat16";
   using dynamic_scaler = NoScaler;  // bf16 has fp32's exponent range
 };
 
 /// A policy whose mixprec::nn::Float8Linear layers compute in fp8 (MixedFP8, fp8.hpp).
 template <class P>
 inline constexpr bool fp8_policy = requires { typename P::recipe; };
+
+struct PolicyNames {
+  static constexpr std::string_view o2 = "MixedO2<";
+  static constexpr std::string_view o3 = "PureHalf<";
+  static constexpr std::string_view comma = ", ";
+  static constexpr std::string_view close = ">";
+};
+
+/// "MixedO2<BFloat16>" for the default storage, else "MixedO2<BFloat16, RemainderMasters>".
+template <class Low, class Storage, class Default, const std::string_view& Family,
+          const std::string_view& Plain>
+inline constexpr std::string_view storage_policy_name =
+    std::is_same_v<Storage, Default>
+        ? Plain
+        : JoinedName<Family, LowPrecision<Low>::low_name, PolicyNames::comma, Storage::name,
+                     PolicyNames::close>::value;
 
 /// Members shared by the three low-precision families.
 template <class Low>
@@ -98,10 +117,26 @@ struct MixedO1 : detail::LowPrecisionPolicy<Low> {
 };
 
 /// O2: Low parameters and inputs, BatchNorm in fp32 (LayerNorm and GroupNorm in Low), fp32
-/// master weights for the optimizer.
-template <class Low = at::Half>
+/// master weights for the optimizer. `Storage` (state_storage.hpp): Fp32Masters<> keeps them
+/// as fp32 copies; RemainderMasters<> (bf16 only) as a 16-bit remainder beside the weight, the
+/// same values in half the bytes; either with bf16 moments (`<at::BFloat16>`).
+template <class Low = at::Half, class Storage = Fp32Masters<>>
 struct MixedO2 : detail::LowPrecisionPolicy<Low> {
-  static constexpr std::string_view name = detail::LowPrecision<Low>::o2;
+  static_assert(Storage::masters == MasterStorage::fp32 ||
+                    Storage::masters == MasterStorage::remainder,
+                "mixprec: MixedO2 keeps master weights: its storage is Fp32Masters<> or "
+                "RemainderMasters<> (stochastic rounding, with no masters, is "
+                "PureHalf<at::BFloat16, StochasticRounding<>>)");
+  static_assert(Storage::masters != MasterStorage::remainder ||
+                    std::is_same_v<Low, at::BFloat16>,
+                "mixprec: RemainderMasters needs bf16 weights: a bf16 value is the top 16 bits "
+                "of an fp32 one, so 16 more bits make the master exactly; an fp16 weight is not "
+                "part of its fp32 master's bits. Use MixedO2<at::Half> (fp32 masters) or "
+                "MixedO2<at::BFloat16, RemainderMasters<>>");
+  using storage = Storage;
+  static constexpr std::string_view name =
+      detail::storage_policy_name<Low, Storage, Fp32Masters<>, detail::PolicyNames::o2,
+                                  detail::LowPrecision<Low>::o2>;
   static constexpr bool autocast = false;
   static constexpr bool cast_model = true;
   static constexpr bool master_weights = true;
@@ -110,12 +145,28 @@ struct MixedO2 : detail::LowPrecisionPolicy<Low> {
 };
 
 /// O3: everything in Low, no masters, no scaling: the speed ceiling, not a safe default.
-template <class Low = at::Half>
+/// `Storage`: RoundToNearest (the optimizer steps the Low weight), or StochasticRounding<>
+/// (bf16 only): the optimizer steps an fp32 copy made for the step, rounded back into the
+/// weight stochastically, so that updates below half an ulp still move it on average.
+template <class Low = at::Half, class Storage = RoundToNearest>
 struct PureHalf : detail::LowPrecisionPolicy<Low> {
-  static constexpr std::string_view name = detail::LowPrecision<Low>::o3;
+  static_assert(Storage::masters == MasterStorage::none ||
+                    Storage::masters == MasterStorage::stochastic,
+                "mixprec: PureHalf keeps no master weights: its storage is RoundToNearest or "
+                "StochasticRounding<> (remainder masters are MixedO2<at::BFloat16, "
+                "RemainderMasters<>>)");
+  static_assert(Storage::masters != MasterStorage::stochastic ||
+                    std::is_same_v<Low, at::BFloat16>,
+                "mixprec: StochasticRounding is for bf16 weights (fp16's narrow range needs "
+                "loss scaling and fp32 masters: use MixedO2<at::Half>)");
+  using storage = Storage;
+  static constexpr std::string_view name =
+      detail::storage_policy_name<Low, Storage, RoundToNearest, detail::PolicyNames::o3,
+                                  detail::LowPrecision<Low>::o3>;
   static constexpr bool autocast = false;
   static constexpr bool cast_model = true;
-  static constexpr bool master_weights = false;
+  // Stochastic rounding steps an fp32 copy of each weight, made for the step (MasterWeights).
+  static constexpr bool master_weights = Storage::masters == MasterStorage::stochastic;
   static constexpr bool keep_batch_norm_fp32 = false;
   using scaler_type = NoScaler;
 };
@@ -124,10 +175,10 @@ struct PureHalf : detail::LowPrecisionPolicy<Low> {
 using O0 = FullPrecision;
 template <class Low = at::Half>
 using O1 = MixedO1<Low>;
-template <class Low = at::Half>
-using O2 = MixedO2<Low>;
-template <class Low = at::Half>
-using O3 = PureHalf<Low>;
+template <class Low = at::Half, class Storage = Fp32Masters<>>
+using O2 = MixedO2<Low, Storage>;
+template <class Low = at::Half, class Storage = RoundToNearest>
+using O3 = PureHalf<Low, Storage>;
 
 /// The dtype of P's model outside autocast: Low for MixedO2/PureHalf, whose Trainer::cast_input
 /// casts floating batches to it; Float for FullPrecision/MixedO1, whose cast_input passes batches

@@ -2,10 +2,13 @@
 /// MasterWeights: fp32 copies of a model's low-precision parameters, which the optimizer updates
 /// instead of the model (Apex O2). Small updates that would vanish when added to a bf16/fp16
 /// weight accumulate in the fp32 master, and the model gets the rounded result after each step.
+/// Under a lean storage (RemainderMasters, StochasticRounding) the masters hold data only
+/// between inflate() and stow(): LeanMasters keeps what stays of them between steps.
 
 #include <mixprec/core/compat.hpp>
 #include <mixprec/core/error.hpp>
 #include <mixprec/core/tensor_set.hpp>
+#include <mixprec/optim/lean_masters.hpp>
 #include <mixprec/optim/optimizer_state.hpp>
 
 #include <ATen/ATen.h>
@@ -14,6 +17,7 @@
 
 #include <cstddef>
 #include <memory>
+#include <optional>
 #include <type_traits>
 #include <unordered_map>
 #include <vector>
@@ -27,9 +31,12 @@ class MasterWeights {
   /// from the model's tensors to them. Pairing is by tensor identity: any parameter-group order,
   /// a subset of the model (frozen layers left out) and tied weights (one master, listed once
   /// per group afterwards) all work. fp32 parameters (kept BatchNorm) are their own masters.
+  /// `storage`: fp32 (copies kept), remainder or stochastic (LeanMasters).
   MasterWeights(const std::vector<at::Tensor>& model_params,
-                const std::vector<at::Tensor>& fp32_values, torch::optim::Optimizer& optimizer) {
+                const std::vector<at::Tensor>& fp32_values, torch::optim::Optimizer& optimizer,
+                MasterStorage storage = MasterStorage::fp32) {
     check_rebindable(model_params, optimizer);
+    if (storage != MasterStorage::fp32) lean_.emplace(storage);
     bind(model_params, fp32_values, optimizer);
   }
 
@@ -100,7 +107,11 @@ class MasterWeights {
                                       model.requires_grad());
         pair_of_master_.emplace(master.unsafeGetTensorImpl(), pairs_.size());
         pair_of_model_.emplace(model.unsafeGetTensorImpl(), pairs_.size());
-        pairs_.push_back({model, master});
+        auto& pair = pairs_.emplace_back(Pair{model, master, -1});
+        if (lean_ && !master.is_same(model)) {
+          pair.lean = static_cast<std::int64_t>(lean_count_++);
+          lean_->add(pair.model, pair.master);
+        }
         p = master;
       }
     }
@@ -123,11 +134,82 @@ class MasterWeights {
   }
 
   /// The fp32 tensors the optimizer updates, one per model tensor, in the order they were
-  /// bound (the optimizer's order; a late param group's at the end).
+  /// bound (the optimizer's order; a late param group's at the end). Under a lean storage they
+  /// hold data only between inflate() and stow(): master_values() reads them any time.
   std::vector<at::Tensor> masters() const {
     std::vector<at::Tensor> result;
     for (const auto& pair : pairs_) result.push_back(pair.master);
     return result;
+  }
+
+  /// The masters' fp32 values, as masters() lists them: the masters themselves, or under a
+  /// lean storage between steps, values made from what it keeps.
+  std::vector<at::Tensor> master_values() const {
+    std::vector<at::Tensor> result;
+    for (const auto& pair : pairs_) result.push_back(value_of(pair));
+    return result;
+  }
+
+  /// The fp32 value of a model tensor's master (see master_values()); undefined if it has none.
+  at::Tensor master_value(const at::Tensor& model) const {
+    const auto it = pair_of_model_.find(model.unsafeGetTensorImpl());
+    return it == pair_of_model_.end() ? at::Tensor() : value_of(pairs_[it->second]);
+  }
+
+  /// The lean storage's state, where there is one (LeanMasters: its rounding seed and count).
+  detail::LeanMasters* lean() noexcept { return lean_ ? &*lean_ : nullptr; }
+  const detail::LeanMasters* lean() const noexcept { return lean_ ? &*lean_ : nullptr; }
+
+  /// Lean storage: every master holds its fp32 value (for a step, or a checkpoint's load).
+  void inflate() {
+    if (!lean_) return;
+    for (auto& pair : pairs_) {
+      if (pair.lean >= 0) lean_->inflate(static_cast<std::size_t>(pair.lean), pair.model, pair.master);
+    }
+  }
+
+  /// Lean storage: the masters put away again, the model written from them (a step taken:
+  /// `stepped`; RemainderMasters' remainders are split again whatever the reason).
+  void stow(bool stepped) {
+    if (!lean_) return;
+    for (auto& pair : pairs_) {
+      if (pair.lean >= 0) {
+        lean_->stow_one(static_cast<std::size_t>(pair.lean), pair.model, pair.master, stepped);
+      }
+    }
+    if (stepped) lean_->finish_round();
+  }
+
+  /// Lean storage: the masters' fp32 data dropped, nothing written (a step skipped or failed:
+  /// what is kept still holds the values from before it).
+  void release() noexcept {
+    if (!lean_) return;
+    for (auto& pair : pairs_) {
+      if (pair.lean >= 0 && lean_->inflated(static_cast<std::size_t>(pair.lean))) {
+        try {
+          lean_->release_one(static_cast<std::size_t>(pair.lean), pair.master);
+        } catch (...) {  // a one-element tensor could not be made: the data stays, still right
+        }
+      }
+    }
+  }
+
+  /// Sets the master of `model` to `value` (fp32), and the model to its rounding.
+  void assign(const at::Tensor& model, const at::Tensor& value) {
+    const auto it = pair_of_model_.find(model.unsafeGetTensorImpl());
+    TORCH_INTERNAL_ASSERT(it != pair_of_model_.end());
+    auto& pair = pairs_[it->second];
+    at::NoGradGuard no_grad;
+    if (pair.lean < 0) {
+      pair.master.detach().copy_(value);
+      return;
+    }
+    const auto index = static_cast<std::size_t>(pair.lean);
+    const bool was_inflated = lean_->inflated(index);
+    lean_->inflate(index, pair.model, pair.master);
+    pair.master.detach().copy_(value);
+    pair.model.detach().copy_(value);  // to nearest, as a load rounds
+    if (!was_inflated) lean_->stow_one(index, pair.model, pair.master, /*stepped=*/false);
   }
 
   /// The master of a model tensor (itself for an fp32 one); undefined if it has none.
@@ -152,14 +234,17 @@ class MasterWeights {
     for (auto& pair : pairs_) {
       if (pair.master.is_same(pair.model) || !pair.model.grad().defined()) continue;
       auto& master_grad = pair.master.mutable_grad();
-      if (!master_grad.defined()) master_grad = at::zeros_like(pair.master);
+      if (!master_grad.defined()) {  // the model's shape: a lean master holds no data now
+        master_grad = at::zeros(pair.model.sizes(), pair.master.options().dtype(at::kFloat));
+      }
       master_grad.add_(pair.model.grad());
       pair.model.mutable_grad().reset();
     }
   }
 
-  /// Writes the masters, rounded, into the model's parameters.
+  /// Writes the masters, rounded, into the model's parameters (under a lean storage: stow(true)).
   void copy_to_model() {
+    if (lean_) return stow(/*stepped=*/true);
     at::NoGradGuard no_grad;
     for (auto& pair : pairs_) {
       if (!pair.master.is_same(pair.model)) pair.model.copy_(pair.master);
@@ -174,7 +259,13 @@ class MasterWeights {
   struct Pair {
     at::Tensor model;
     at::Tensor master;
+    std::int64_t lean;  // its index in lean_, or -1 (fp32 storage; an fp32 parameter)
   };
+
+  at::Tensor value_of(const Pair& pair) const {
+    if (pair.lean < 0 || lean_->inflated(static_cast<std::size_t>(pair.lean))) return pair.master;
+    return lean_->value(static_cast<std::size_t>(pair.lean), pair.model);
+  }
 
   static void check_groups(const std::vector<at::Tensor>& model_params,
                            const torch::optim::Optimizer& optimizer, const MasterWeights* self) {
@@ -226,6 +317,8 @@ class MasterWeights {
   std::unordered_map<const void*, std::size_t> pair_of_master_;  // master -> its index in pairs_
   std::unordered_map<const void*, std::size_t> pair_of_model_;   // model tensor -> the same
   std::vector<at::Tensor> sources_;
+  std::optional<detail::LeanMasters> lean_;
+  std::size_t lean_count_ = 0;
 };
 
 }  // namespace mixprec

@@ -8,6 +8,7 @@
 //   non_finite_span:      read `from`, the non-finite flag alone (no clipping: no norm to compute).
 // Which tensor reaches which loop (layout, dtype, device) is unscale.hpp's business.
 
+#include <mixprec/core/cpu_dispatch.hpp>
 #include <mixprec/core/parallel.hpp>
 
 #include <ATen/ATen.h>
@@ -24,25 +25,12 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__GNUC__) || defined(__clang__)
-#define MIXPREC_ALWAYS_INLINE [[gnu::always_inline]]
-#else
-#define MIXPREC_ALWAYS_INLINE
-#endif
-
-#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
-#define MIXPREC_X86_DISPATCH 1
-#include <immintrin.h>
-#endif
-
 namespace mixprec::detail {
 
 struct GradStats {
   double sum_of_squares = 0.0;
   bool non_finite = false;
 };
-
-inline constexpr std::int64_t kGrainSize = 1 << 15;
 
 // |v| < threshold <=> v stored as T is finite. fp16 rounds |v| >= 65520 to inf; bf16 rounds
 // floats at or above the midpoint between its largest finite value and inf (0x7f7f8000) to inf.
@@ -77,19 +65,8 @@ MIXPREC_ALWAYS_INLINE inline bool scale_and_check_loop(const In* from, Out* to, 
 #ifdef MIXPREC_X86_DISPATCH
 // The same loops compiled for AVX2 and AVX-512, chosen at run time: the library is header-only
 // and built with the consumer's flags (often plain x86-64: SSE2), while ATen's own kernels
-// dispatch on the CPU. Multiplies and integer ops only (no FMA): results are bit-identical
-// whichever loop runs.
-enum class Isa { base, avx2, avx512 };
-inline Isa cpu_isa() {
-  static const Isa isa = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")
-                             ? Isa::avx512
-                             : (__builtin_cpu_supports("avx2") ? Isa::avx2 : Isa::base);
-  return isa;
-}
-inline bool cpu_has_fma() {
-  static const bool fma = __builtin_cpu_supports("fma");
-  return fma;
-}
+// dispatch on the CPU (core/cpu_dispatch.hpp). Multiplies and integer ops only (no FMA):
+// results are bit-identical whichever loop runs.
 template <class In, class Out>
 [[gnu::target("avx2")]] bool scale_and_check_loop_avx2(const In* from, Out* to, std::int64_t begin,
                                                        std::int64_t end, float factor) {

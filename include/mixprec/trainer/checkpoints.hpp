@@ -11,6 +11,7 @@
 #include <mixprec/fp8/layers.hpp>
 #include <mixprec/io/checkpoint_file.hpp>
 #include <mixprec/trainer/fp32_export.hpp>
+#include <mixprec/trainer/lean_step.hpp>
 #include <mixprec/trainer/load_weights.hpp>
 #include <mixprec/trainer/policy_identity.hpp>
 #include <mixprec/trainer/ranks.hpp>
@@ -22,6 +23,8 @@
 #include <torch/serialize.h>
 #include <torch/serialize/archive.h>
 
+#include <array>
+#include <cstdint>
 #include <exception>
 #include <optional>
 #include <string>
@@ -188,7 +191,26 @@ class TrainerCheckpoints {
     write_state(archive, parts(view), t.counters_, c10::IValue(t.scaler_.state_dict()), rngs,
                 user);
     if constexpr (fp8_policy<P>) archive.write("mixprec.fp8", c10::IValue(t.fp8_.state_dict()));
+    if (const auto* lean = t.tensors_.masters() ? t.tensors_.masters()->lean() : nullptr) {
+      archive.write("mixprec.rounding",
+                    at::tensor({static_cast<std::int64_t>(lean->seed()),
+                                static_cast<std::int64_t>(lean->rounds())}, at::kLong));
+    }
     t.schedule_.write(archive);
+  }
+
+  // StochasticRounding's seed and count of rounded steps; a checkpoint without them (other
+  // storages, whose settings the policy check compares first) leaves the seed and count 0.
+  static std::array<std::uint64_t, 2> read_rounding(torch::serialize::InputArchive& archive,
+                                                    const std::string& source,
+                                                    std::uint64_t seed) {
+    at::Tensor saved;
+    if (!archive.try_read("mixprec.rounding", saved)) return {seed, 0};
+    MIXPREC_CHECK(saved.scalar_type() == at::kLong && saved.numel() == 2, "checkpoint '",
+                  source, "': mixprec.rounding is not the seed and count of stochastic "
+                  "rounding (two int64 values); the file is damaged");
+    return {static_cast<std::uint64_t>(saved[0].item<std::int64_t>()),
+            static_cast<std::uint64_t>(saved[1].item<std::int64_t>())};
   }
 
   // load(path) and load(archive): a param group added since the last step (or a new optimizer)
@@ -222,13 +244,17 @@ class TrainerCheckpoints {
       archive.try_read("mixprec.fp8", saved);
       fp8_state = t.fp8_.check_state(saved, source, /*recipe_recorded=*/loaded.policy_settings);
     }
+    const auto rounding = read_rounding(archive, source, t.options_.rounding_seed());
     commit();  // every rank has read and checked all of it
     if (view) {  // sharded: read into the full view, then each rank takes its slices
       apply_state(loaded, *view->optimizer);
       t.data_parallel_->scatter_state(*view->optimizer);
     } else {
+      LeanLoad<P> lean(t.tensors_.masters(), *t.optimizer_);  // the masters' values land in fp32 data
       apply_state(loaded, *t.optimizer_);
+      lean.loaded();
     }
+    if (auto* lean = t.tensors_.lean()) lean->set_rounding(rounding[0], rounding[1]);
     Fp8Layers::apply_state(fp8_state);
     t.fp8_.finish_step(/*stepped=*/false);  // an accumulation's amaxes belong to another run
     t.scaler_ = std::move(scaler);

@@ -30,7 +30,7 @@ namespace detail {
 
 // A model tensor's fp32 value: its master's under MixedO2, else itself cast (integers as is).
 inline at::Tensor fp32_of(const at::Tensor& t, const MasterWeights* masters) {
-  const auto master = masters ? masters->master_of(t) : at::Tensor();
+  const auto master = masters ? masters->master_value(t) : at::Tensor();
   const auto& value = master.defined() ? master : t;
   if (!value.is_floating_point()) return value.detach().clone();
   return value.detach().to(at::kFloat, /*non_blocking=*/false, /*copy=*/true);

@@ -8,7 +8,6 @@
 #include <mixprec/optim/master_weights.hpp>
 
 #include <ATen/ATen.h>
-#include <ATen/core/grad_mode.h>
 #include <torch/nn/module.h>
 
 #include <string>
@@ -17,7 +16,7 @@
 
 namespace mixprec::detail {
 
-inline LoadReport load_into_trained(torch::nn::Module& model, const MasterWeights* masters,
+inline LoadReport load_into_trained(torch::nn::Module& model, MasterWeights* masters,
                                     const StateDict& weights, const LoadOptions& options,
                                     const std::string& source) {
   auto plan = plan_load(model, weights, options);
@@ -32,13 +31,11 @@ inline LoadReport load_into_trained(torch::nn::Module& model, const MasterWeight
     auto fp32 = converted(a.source, master.scalar_type(), a.name, "its fp32 master weight",
                           plan.problems);
     a.value = converted(fp32, a.target.scalar_type(), a.name, plan.into.c_str(), plan.problems);
-    master_values.emplace_back(master, std::move(fp32));
+    master_values.emplace_back(a.target, std::move(fp32));
   }
   check_plan(plan, options, source);
-  {
-    at::NoGradGuard no_grad;
-    for (auto& [master, value] : master_values) master.copy_(value);
-  }
+  // Each master takes its value (under a lean storage, what it keeps of it).
+  for (auto& [target, value] : master_values) masters->assign(target, value);
   copy_values(plan.assignments);
   return std::move(plan.report);
 }

@@ -89,6 +89,7 @@ struct TrainerSettings {
   std::int64_t max_consecutive_skips = 64;
   std::shared_ptr<torch::optim::LRScheduler> lr_scheduler;
   std::function<double(std::int64_t)> lr_lambda;
+  std::uint64_t rounding_seed = 0;
 };
 
 // What a policy's options may set: scaler options where its scaler takes them; the fused
@@ -215,6 +216,11 @@ class BasicTrainerOptions {
   /// f(step), step counting optimizer steps (taken or skipped) from 0. Saved in checkpoints
   /// (the base lrs; the step is the Trainer's). An lr that is not finite and >= 0 is an Error.
   MIXPREC_TRAINER_OPTION(std::function<double(std::int64_t)>, lr_lambda)
+
+  /// StochasticRounding's seed: the bits that round element i of the k-th tensor at optimizer
+  /// step s are a hash of (seed, s, k, i) (optim/lean_kernels.hpp), the same on every data
+  /// parallel rank and after a checkpoint's load (which restores the seed and s). 0 by default.
+  MIXPREC_TRAINER_OPTION(std::uint64_t, rounding_seed)
 
   /// Every value, as the Trainer reads them.
   const detail::TrainerSettings& settings() const noexcept { return settings_; }

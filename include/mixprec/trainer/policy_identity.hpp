@@ -29,7 +29,8 @@ struct PolicyIdentity {
 
 /// P's identity. Settings, in this order: low, autocast, cast_model, master_weights,
 /// keep_batch_norm_fp32, scaler (the type's name), fp8 (none, tensorwise or delayed), and for
-/// delayed scaling fp8_history and fp8_margin.
+/// delayed scaling fp8_history and fp8_margin; then, for a lean storage only (so that the
+/// checkpoints of the others read as before), storage (RemainderMasters<BFloat16>, ...).
 template <class P>
 PolicyIdentity policy_identity() {
   std::string settings;
@@ -53,6 +54,7 @@ PolicyIdentity policy_identity() {
   } else {
     add("fp8", "none");
   }
+  if constexpr (lean_state<P>) add("storage", std::string(storage_of<P>::name));
   return {std::string(P::name), std::move(settings)};
 }
 
@@ -72,11 +74,19 @@ inline std::vector<std::pair<std::string, std::string>> parse_settings(std::stri
 
 /// An Error, naming both policies and each setting that differs, unless a checkpoint written by
 /// `saved_name` with `saved_settings` fits `own`.
+/// The storage (RemainderMasters, bf16 moments, ...) may differ: a checkpoint holds fp32 master
+/// values whatever the storage, and the load converts the moments (LeanLoad).
 inline void check_policy_settings(const std::string& saved_name, const std::string& saved_settings,
                                   const PolicyIdentity& own, const std::string& path) {
   if (saved_settings == own.settings) return;
-  const auto saved = parse_settings(saved_settings);
-  const auto mine = parse_settings(own.settings);
+  auto saved = parse_settings(saved_settings);
+  auto mine = parse_settings(own.settings);
+  const auto without_storage = [](auto& pairs) {
+    std::erase_if(pairs, [](const auto& kv) { return kv.first == "storage"; });
+  };
+  without_storage(saved);
+  without_storage(mine);
+  if (saved == mine) return;
   const auto value_in = [](const auto& pairs, const std::string& key) {
     for (const auto& [k, v] : pairs) {
       if (k == key) return v;

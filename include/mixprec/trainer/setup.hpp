@@ -10,6 +10,7 @@
 #include <mixprec/optim/master_weights.hpp>
 #include <mixprec/nn/conv.hpp>
 #include <mixprec/scaling/scalers.hpp>
+#include <mixprec/trainer/lean_step.hpp>
 #include <mixprec/trainer/options.hpp>
 
 #include <c10/util/Exception.h>
@@ -149,6 +150,13 @@ template <class P>
 TrainerOptions checked_options(TrainerOptions options, const torch::optim::Optimizer& optimizer) {
   check_options(options);
   check_fused<P>(options, optimizer);
+  if constexpr (lean_state<P>) {
+    MIXPREC_CHECK(!options.settings().shard_optimizer_state, "Trainer<", P::name, "> with "
+                  "DistributedOptions::shard_optimizer_state: the lean state is kept per whole "
+                  "tensor, not yet per rank's slice; shard the optimizer state under "
+                  "MixedO2<at::BFloat16> (fp32 masters), or keep the lean state unsharded");
+    check_lean_optimizer<P>(optimizer);
+  }
   if (options.settings().shard_optimizer_state) {
     check_shardable(optimizer);
     for (const auto& group : optimizer.param_groups()) {

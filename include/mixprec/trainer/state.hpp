@@ -104,7 +104,9 @@ inline void write_state(torch::serialize::OutputArchive& archive,
   for (const auto& item : parts.model.named_buffers()) {
     archive.write("model." + item.key(), item.value(), /*is_buffer=*/true);
   }
-  const auto masters = parts.masters ? parts.masters->masters() : std::vector<at::Tensor>{};
+  // The fp32 values: a lean storage's masters hold none between steps.
+  const auto masters =
+      parts.masters ? parts.masters->master_values() : std::vector<at::Tensor>{};
   for (std::size_t i = 0; i < masters.size(); ++i) {
     archive.write("masters." + std::to_string(i), masters[i].detach());
   }

@@ -90,7 +90,9 @@ class TrainedTensors {
         for (const auto& p : params_) fp32_values.push_back(p.detach().clone());
       }
       cast_model(model, P::low_dtype, P::keep_batch_norm_fp32, P::name);
-      if constexpr (P::master_weights) masters_.emplace(params_, fp32_values, optimizer);
+      if constexpr (P::master_weights) {
+        masters_.emplace(params_, fp32_values, optimizer, storage_of<P>::masters);
+      }
     }
     dedupe_param_groups(optimizer);  // the optimizer steps each tensor once
     // Adagrad's state, made by its constructor, fits the cast tensors (the masters' in bind).
@@ -194,6 +196,8 @@ class TrainedTensors {
   /// The fp32 masters (MixedO2); null for the other policies.
   MasterWeights* masters() noexcept { return masters_ ? &*masters_ : nullptr; }
   const MasterWeights* masters() const noexcept { return masters_ ? &*masters_ : nullptr; }
+  /// The lean storage of the masters (RemainderMasters, StochasticRounding); else null.
+  LeanMasters* lean() noexcept { return masters_ ? masters_->lean() : nullptr; }
   /// The parameters' device types: autocast engages on each.
   const std::vector<c10::DeviceType>& device_types() const noexcept { return device_types_; }
 

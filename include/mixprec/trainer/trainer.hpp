@@ -33,6 +33,7 @@
 #include <mixprec/trainer/options.hpp>
 #include <mixprec/trainer/schedule.hpp>
 #include <mixprec/trainer/setup.hpp>
+#include <mixprec/trainer/state_bytes.hpp>
 #include <mixprec/trainer/trained_tensors.hpp>
 
 #include <ATen/ATen.h>
@@ -93,6 +94,7 @@ class Trainer : public detail::TrainerCheckpoints<P> {
     }
     tensors_.take(*model_, optimizer,
                   data_parallel_ && data_parallel_->sharded() ? data_parallel_.get() : nullptr);
+    if (auto* lean = tensors_.lean()) lean->set_rounding(options_.rounding_seed(), 0);
     if (data_parallel_) tensors_.bind(*data_parallel_, *model_);
     detail::warn_slow_fp16_convolutions<P>(*model_, options_, tensors_.device_types());
     if constexpr (detail::fp8_policy<P>) fp8_.enable<typename P::recipe>(std::move(fp8_layers));
@@ -163,9 +165,17 @@ class Trainer : public detail::TrainerCheckpoints<P> {
   /// The fp32 master weights (MixedO2), one per model tensor the optimizer holds, in the
   /// optimizer's order (a param group added later at the end); empty for the other policies,
   /// and where the optimizer state is sharded (each rank holds slices: fp32_state_dict()).
+  /// Under a lean storage (RemainderMasters, StochasticRounding) they are values made from
+  /// what it keeps, not the tensors the optimizer steps: writing to them changes nothing.
   std::vector<at::Tensor> master_weights() const {
     const auto* masters = tensors_.masters();
-    return masters ? masters->masters() : std::vector<at::Tensor>{};
+    return masters ? masters->master_values() : std::vector<at::Tensor>{};
+  }
+
+  /// The bytes of training state held now (weights, gradients, masters, optimizer state),
+  /// summed from the tensors: between steps, what a lean storage saves.
+  TrainingStateBytes state_bytes() const {
+    return detail::state_bytes(*model_, tensors_.masters(), *optimizer_);
   }
 
   TrainerStats stats() const {
@@ -259,6 +269,8 @@ class Trainer : public detail::TrainerCheckpoints<P> {
     }
     const auto losses = std::move(loss_sum_);
     loss_sum_ = at::Tensor();
+    // Lean storage: fp32 masters and moments from here to the end of the optimizer step.
+    const detail::LeanStep<P> lean(masters, *optimizer_);
     const auto plan = detail::plan_unscale(options_, masters, n, data_parallel_.get(), calls_,
                                            losses, fp8_.pending_amaxes());
     detail::OptimizerStep done;

@@ -1,0 +1,108 @@
+#pragma once
+// A Trainer's lean training state (core/state_storage.hpp) around the moments that need fp32:
+// the optimizer step (LeanStep: masters inflated and moments widened for the gradient passes
+// and the step, put away again however it ends) and a checkpoint's load (LeanLoad). Policies
+// with MixedO2's fp32 masters and fp32 moments do nothing here.
+
+#include <mixprec/core/compat.hpp>
+#include <mixprec/core/error.hpp>
+#include <mixprec/core/state_storage.hpp>
+#include <mixprec/optim/lean_moments.hpp>
+#include <mixprec/optim/master_weights.hpp>
+
+#include <torch/optim/optimizer.h>
+
+#include <set>
+#include <type_traits>
+
+namespace mixprec::detail {
+
+template <class P>
+inline constexpr bool narrow_moments_of = storage_of<P>::moment_dtype == c10::ScalarType::BFloat16;
+
+/// The Trainer's construction: an Error where P's storage cannot keep this optimizer's state.
+template <class P>
+void check_lean_optimizer(const torch::optim::Optimizer& optimizer) {
+  if constexpr (narrow_moments_of<P>) check_narrowable_moments(optimizer, P::name);
+}
+
+/// The optimizer's moments of the tensors stepped for a bf16 model tensor, rounded to bf16.
+inline void narrow_low_moments(torch::optim::Optimizer& optimizer, const MasterWeights& masters) {
+  using Key = std::decay_t<decltype(optimizer.state())>::key_type;
+  std::set<Key> low;
+  for (const auto& m : masters.masters()) {
+    if (masters.model_of(m).defined()) low.insert(state_key<decltype(optimizer.state())>(m));
+  }
+  narrow_moments(optimizer, [&low](const Key& key) { return low.count(key) == 1; });
+}
+
+/// Around the gradient passes and the optimizer step of one Trainer step: the masters hold
+/// their fp32 values and the moments are fp32 while it lives. A step taken stows the masters
+/// (after_step_taken: MasterWeights::copy_to_model); a step skipped, or one that throws, drops
+/// their fp32 data unwritten, leaving what was kept: the values from before the step.
+template <class P>
+class LeanStep {
+ public:
+  LeanStep(MasterWeights* masters, torch::optim::Optimizer& optimizer)
+      : masters_(masters), optimizer_(optimizer) {
+    if constexpr (lean_state<P>) {
+      if (masters_ == nullptr) return;  // sharded: refused at construction
+      try {
+        masters_->inflate();
+        if constexpr (narrow_moments_of<P>) widen_moments(optimizer_);
+      } catch (...) {
+        masters_->release();
+        throw;
+      }
+    }
+  }
+  LeanStep(const LeanStep&) = delete;
+  LeanStep& operator=(const LeanStep&) = delete;
+
+  ~LeanStep() {
+    if constexpr (lean_state<P>) {
+      if (masters_ == nullptr) return;
+      masters_->release();
+      if constexpr (narrow_moments_of<P>) {
+        try {
+          narrow_low_moments(optimizer_, *masters_);
+        } catch (...) {  // out of memory: the moments stay fp32, their values right
+        }
+      }
+    }
+  }
+
+ private:
+  MasterWeights* masters_;
+  torch::optim::Optimizer& optimizer_;
+};
+
+/// Around a checkpoint's load: the masters inflated, so that the loaded values land in them,
+/// then stowed (RemainderMasters: split again; StochasticRounding: the model holds them). A
+/// checkpoint of another storage converts: it holds fp32 master values whatever its storage,
+/// and its moments are widened to fp32, then narrowed to bf16 where P keeps them so.
+template <class P>
+class LeanLoad {
+ public:
+  LeanLoad(MasterWeights* masters, torch::optim::Optimizer& optimizer)
+      : masters_(masters), optimizer_(optimizer) {
+    if (masters_ != nullptr) masters_->inflate();
+  }
+  LeanLoad(const LeanLoad&) = delete;
+  LeanLoad& operator=(const LeanLoad&) = delete;
+  void loaded() {
+    if (masters_ == nullptr) return;
+    masters_->stow(/*stepped=*/false);
+    widen_moments(optimizer_);  // fp32 state for fp32 masters
+    if constexpr (narrow_moments_of<P>) narrow_low_moments(optimizer_, *masters_);
+  }
+  ~LeanLoad() {
+    if (masters_ != nullptr) masters_->release();
+  }
+
+ private:
+  MasterWeights* masters_;
+  torch::optim::Optimizer& optimizer_;
+};
+
+}  // namespace mixprec::detail

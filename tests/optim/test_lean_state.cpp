@@ -1,0 +1,455 @@
+// The lean training state (core/state_storage.hpp): remainder masters, bf16 moments and
+// stochastic rounding. Its kernels on bits (optim/lean_kernels.hpp), then Trainers run side by
+// side on the same weights and data: remainder masters are MixedO2's fp32 masters bit for bit,
+// bf16 moments are fp32 moments rounded once per step, stochastic rounding is unbiased and
+// trains where rounding to nearest freezes; checkpoints resume bit for bit and convert.
+#include <mixprec/mixprec.hpp>
+
+#include "support.hpp"
+
+#include <torch/torch.h>
+
+#include <doctest/doctest.h>
+
+#include <bit>
+#include <cmath>
+#include <cstdint>
+#include <filesystem>
+#include <functional>
+#include <iostream>
+#include <limits>
+#include <memory>
+#include <vector>
+
+namespace mp = mixprec;
+
+namespace {
+
+using Remainder = mp::MixedO2<at::BFloat16, mp::RemainderMasters<>>;
+using RemainderBf16 = mp::MixedO2<at::BFloat16, mp::RemainderMasters<at::BFloat16>>;
+using PlainO2 = mp::MixedO2<at::BFloat16>;
+using Stochastic = mp::PureHalf<at::BFloat16, mp::StochasticRounding<>>;
+using StochasticFp32 = mp::PureHalf<at::BFloat16, mp::StochasticRounding<float>>;
+
+float float_of(std::uint32_t b) { return std::bit_cast<float>(b); }
+
+// fp32 values that exercise every case of the split: random magnitudes, both ties (low half
+// 0x8000 with the kept half even and odd), the largest values (which round to inf), infs,
+// zeros, subnormals.
+at::Tensor awkward_values() {
+  torch::manual_seed(3);
+  auto v = (torch::randn({4096}) * torch::exp(torch::randn({4096}) * 8)).contiguous();
+  std::vector<float> special;
+  for (std::uint32_t hi : {0x3f80U, 0x3f81U, 0xbf80U, 0xbf81U, 0x0001U, 0x7f7eU, 0x7f7fU}) {
+    for (std::uint32_t lo : {0x0000U, 0x0001U, 0x7fffU, 0x8000U, 0x8001U, 0xffffU}) {
+      special.push_back(float_of((hi << 16) | lo));
+    }
+  }
+  for (float f : {0.0F, -0.0F, std::numeric_limits<float>::infinity(),
+                  -std::numeric_limits<float>::infinity(), std::numeric_limits<float>::denorm_min(),
+                  std::numeric_limits<float>::max(), -std::numeric_limits<float>::max()}) {
+    special.push_back(f);
+  }
+  return torch::cat({v, torch::tensor(special)}).contiguous();
+}
+
+// A model with every kind of parameter the policies treat apart: Linear (bf16 with a master),
+// LayerNorm (bf16 under MixedO2) and BatchNorm (kept fp32: no remainder, fp32 state).
+struct NetImpl : torch::nn::Module {
+  NetImpl()
+      : fc1(register_module("fc1", torch::nn::Linear(8, 32))),
+        ln(register_module("ln", torch::nn::LayerNorm(torch::nn::LayerNormOptions({32})))),
+        bn(register_module("bn", torch::nn::BatchNorm1d(32))),
+        fc2(register_module("fc2", torch::nn::Linear(32, 4))) {}
+  at::Tensor forward(const at::Tensor& x) {
+    return fc2(torch::relu(bn(ln(fc1(x)))));
+  }
+  torch::nn::Linear fc1;
+  torch::nn::LayerNorm ln;
+  torch::nn::BatchNorm1d bn;
+  torch::nn::Linear fc2;
+};
+TORCH_MODULE(Net);
+
+Net make_net() {
+  torch::manual_seed(7);
+  return Net();
+}
+
+// Step s's batch, the same for every trainer.
+std::pair<at::Tensor, at::Tensor> batch(int s) {
+  auto g = at::make_generator<at::CPUGeneratorImpl>(500 + static_cast<std::uint64_t>(s));
+  return {at::randn({16, 8}, g), at::randn({16, 4}, g)};
+}
+
+template <class P>
+mp::StepReport train_step(mp::Trainer<P>& trainer, Net& net, int s) {
+  const auto [x, y] = batch(s);
+  return trainer.step([&] {
+    return torch::mse_loss(net->forward(trainer.cast_input(x)).to(at::kFloat), y);
+  });
+}
+
+bool same_bits(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b) {
+  if (a.size() != b.size()) return false;
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    if (a[i].scalar_type() != b[i].scalar_type() || !torch::equal(a[i], b[i])) return false;
+  }
+  return true;
+}
+
+double max_difference(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b) {
+  double worst = 0.0;
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    worst = std::max(worst, (a[i].to(at::kDouble) - b[i].to(at::kDouble)).abs().max().item<double>());
+  }
+  return worst;
+}
+
+using MakeOptimizer =
+    std::function<std::unique_ptr<torch::optim::Optimizer>(const std::vector<at::Tensor>&)>;
+
+// Trainers of PA and PB side by side for `steps` steps; the first step after which their
+// models' parameters differ in any bit, or -1.
+template <class PA, class PB>
+int first_difference(int steps, const MakeOptimizer& make, mp::TrainerOptions options = {}) {
+  auto a = make_net();
+  auto b = make_net();
+  auto oa = make(a->parameters());
+  auto ob = make(b->parameters());
+  mp::Trainer<PA> ta(a, *oa, options);
+  mp::Trainer<PB> tb(b, *ob, options);
+  for (int s = 0; s < steps; ++s) {
+    train_step(ta, a, s);
+    train_step(tb, b, s);
+    if (!same_bits(a->parameters(), b->parameters())) return s;
+  }
+  if (!same_bits(ta.master_weights(), tb.master_weights())) return steps;
+  return -1;
+}
+
+}  // namespace
+
+TEST_CASE("split and join: the bf16 rounding is copy_'s and the pair is the fp32 value, exactly") {
+  const auto master = awkward_values();
+  auto hi = at::empty(master.sizes(), master.options().dtype(at::kBFloat16));
+  auto rem = at::empty(master.sizes(), master.options().dtype(at::kShort));
+  const auto down_ties = mp::detail::split_master(master, hi, rem);
+  CHECK(torch::equal(hi.view(at::kShort), master.to(at::kBFloat16).view(at::kShort)));
+  CHECK(!down_ties.empty());  // 1.0 + 0x8000 (even, rounds down) is among the values
+  auto back = at::empty_like(master);
+  mp::detail::join_master(hi, rem, down_ties, back);
+  CHECK(torch::equal(back.view(at::kInt), master.view(at::kInt)));
+  // The ATen-op path (CUDA's) computes the same bits.
+  auto hi2 = at::empty_like(hi);
+  auto rem2 = at::empty_like(rem);
+  CHECK(mp::detail::aten_split(master, hi2, rem2) == down_ties);
+  CHECK(torch::equal(hi2.view(at::kShort), hi.view(at::kShort)));
+  CHECK(torch::equal(rem2, rem));
+  auto back2 = at::empty_like(master);
+  mp::detail::aten_join(hi, rem, down_ties, back2);
+  CHECK(torch::equal(back2.view(at::kInt), master.view(at::kInt)));
+}
+
+TEST_CASE("stochastic rounding: between the two neighbours, unbiased, and the same on every path") {
+  const float ulp = std::ldexp(1.0F, -7);  // bf16's spacing in [1, 2)
+  const float x = 1.0F + 0.3F * ulp;
+  const std::int64_t n = 100000;
+  const double sigma = ulp * std::sqrt(0.3 * 0.7 / static_cast<double>(n));
+  SUBCASE("10^5 elements of one tensor") {
+    const auto in = at::full({n}, x);
+    auto out = at::empty({n}, at::kBFloat16);
+    mp::detail::stochastic_round(in, out, mp::detail::rounding_key(0, 0, 0));
+    const auto f = out.to(at::kFloat);
+    CHECK(f.eq(1.0F).logical_or(f.eq(1.0F + ulp)).all().item<bool>());
+    const double mean = f.to(at::kDouble).mean().item<double>();
+    INFO("mean - x = " << mean - x << ", sigma " << sigma);
+    CHECK(std::abs(mean - x) < 4 * sigma);
+    auto out2 = at::empty_like(out);
+    mp::detail::aten_stochastic_round(in, out2, mp::detail::rounding_key(0, 0, 0));
+    CHECK(torch::equal(out.view(at::kShort), out2.view(at::kShort)));
+  }
+  SUBCASE("one element over 10^5 steps") {
+    const auto in = at::full({1}, -x);
+    auto out = at::empty({1}, at::kBFloat16);
+    double sum = 0.0;
+    for (std::int64_t s = 0; s < n; ++s) {
+      mp::detail::stochastic_round(in, out, mp::detail::rounding_key(5, static_cast<std::uint64_t>(s), 3));
+      sum += out.item<float>();
+    }
+    const double mean = sum / static_cast<double>(n);
+    INFO("mean + x = " << mean + x << ", sigma " << sigma);
+    CHECK(std::abs(mean + x) < 4 * sigma);
+  }
+  SUBCASE("values bf16 holds exactly, infinities and NaN stay") {
+    const auto in = torch::tensor({1.0F, -2.5F, 0.0F, std::numeric_limits<float>::infinity(),
+                                   -std::numeric_limits<float>::infinity()});
+    auto out = at::empty(in.sizes(), at::kBFloat16);
+    mp::detail::stochastic_round(in, out, 12345);
+    CHECK(torch::equal(out.to(at::kFloat), in));
+    const auto nan = torch::full({3}, std::numeric_limits<float>::quiet_NaN());
+    auto nan_out = at::empty({3}, at::kBFloat16);
+    mp::detail::stochastic_round(nan, nan_out, 1);
+    CHECK(nan_out.isnan().all().item<bool>());
+  }
+}
+
+TEST_CASE("remainder masters train bit for bit as fp32 masters, 200 steps, every optimizer") {
+  SUBCASE("SGD with momentum and weight decay") {
+    CHECK(first_difference<PlainO2, Remainder>(200, [](const auto& p) {
+      return std::make_unique<torch::optim::SGD>(
+          p, torch::optim::SGDOptions(0.05).momentum(0.9).weight_decay(1e-4));
+    }) == -1);
+  }
+  SUBCASE("Adam") {
+    CHECK(first_difference<PlainO2, Remainder>(200, [](const auto& p) {
+      return std::make_unique<torch::optim::Adam>(p, torch::optim::AdamOptions(1e-3));
+    }) == -1);
+  }
+  SUBCASE("AdamW, accumulating 2 micro-batches, clipping") {
+    CHECK(first_difference<PlainO2, Remainder>(
+              200,
+              [](const auto& p) {
+                return std::make_unique<torch::optim::AdamW>(
+                    p, torch::optim::AdamWOptions(1e-3).weight_decay(0.01));
+              },
+              mp::TrainerOptions().accumulation_steps(2).max_grad_norm(0.5)) == -1);
+  }
+  SUBCASE("RMSprop") {
+    CHECK(first_difference<PlainO2, Remainder>(200, [](const auto& p) {
+      return std::make_unique<torch::optim::RMSprop>(p, torch::optim::RMSpropOptions(1e-3));
+    }) == -1);
+  }
+}
+
+TEST_CASE("remainder masters under the fused AdamW step" * doctest::skip(!mp::fused_adam_available)) {
+  CHECK(first_difference<PlainO2, Remainder>(
+            200,
+            [](const auto& p) {
+              return std::make_unique<torch::optim::AdamW>(p, torch::optim::AdamWOptions(1e-3));
+            },
+            mp::TrainerOptions().fused_optimizer(true)) == -1);
+}
+
+TEST_CASE("state_bytes: what each storage keeps between steps, from the tensors") {
+  // Net's parameters: L elements that the policies cast to bf16 (Linear, LayerNorm) in T
+  // tensors, and F in BatchNorm, which MixedO2 keeps in fp32 (its own master, fp32 state).
+  std::int64_t low = 0, fp32 = 0, low_tensors = 0;
+  for (const auto& item : make_net()->named_parameters()) {
+    const bool bn = item.key().rfind("bn.", 0) == 0;
+    (bn ? fp32 : low) += item.value().numel();
+    low_tensors += bn ? 0 : 1;
+  }
+  const auto measure = [](auto policy_tag) {
+    using P = decltype(policy_tag);
+    auto net = make_net();
+    torch::optim::AdamW optimizer(net->parameters(), torch::optim::AdamWOptions(1e-3));
+    mp::Trainer<P> trainer(net, optimizer);
+    for (int s = 0; s < 3; ++s) train_step(trainer, net, s);
+    const auto bytes = trainer.state_bytes();
+    CHECK(bytes.optimizer_known);
+    CHECK(bytes.gradients == 0);  // cleared after each optimizer step
+    return bytes;
+  };
+  const auto o2 = measure(PlainO2{});
+  CHECK(o2.weights == 2 * low + 4 * fp32);
+  CHECK(o2.masters == 4 * low);
+  CHECK(o2.optimizer == 8 * (low + fp32));
+  const auto rem = measure(Remainder{});
+  // Each lean master keeps one float (its expanded NaN); ties that rounded down, 8 bytes each.
+  const auto ties = rem.masters - (2 * low + 4 * low_tensors);
+  CHECK(ties >= 0);
+  CHECK(ties % 8 == 0);
+  CHECK(ties < low / 100);
+  CHECK(rem.optimizer == 8 * (low + fp32));
+  const auto lean = measure(RemainderBf16{});
+  CHECK(lean.optimizer == 4 * low + 8 * fp32);  // BatchNorm's stay fp32
+  const auto sr = measure(Stochastic{});        // everything bf16, BatchNorm too
+  CHECK(sr.weights == 2 * (low + fp32));
+  CHECK(sr.masters == 4 * (low_tensors + 2));
+  CHECK(sr.optimizer == 4 * (low + fp32));
+  std::cout << "training state, bytes per parameter between steps (AdamW): MixedO2 "
+            << static_cast<double>(o2.total()) / static_cast<double>(low + fp32) << ", remainders "
+            << static_cast<double>(rem.total()) / static_cast<double>(low + fp32)
+            << ", + bf16 moments " << static_cast<double>(lean.total()) / static_cast<double>(low + fp32)
+            << ", stochastic rounding " << static_cast<double>(sr.total()) / static_cast<double>(low + fp32)
+            << "\n";
+}
+
+TEST_CASE("bf16 moments: one step is the fp32 moments' step, its moments rounded to bf16") {
+  // Same weights, the same first batch: the step computes in fp32 in both; the moments kept
+  // are the fp32 ones rounded to nearest, the weights the same bits.
+  auto a = make_net();
+  auto b = make_net();
+  torch::optim::AdamW oa(a->parameters(), torch::optim::AdamWOptions(1e-3));
+  torch::optim::AdamW ob(b->parameters(), torch::optim::AdamWOptions(1e-3));
+  mp::Trainer<Remainder> ta(a, oa);
+  mp::Trainer<RemainderBf16> tb(b, ob);
+  train_step(ta, a, 0);
+  train_step(tb, b, 0);
+  CHECK(same_bits(a->parameters(), b->parameters()));
+  const auto moments = [](torch::optim::AdamW& o, bool second) {
+    std::vector<at::Tensor> out;
+    for (const auto& p : o.param_groups()[0].params()) {
+      const auto& s = static_cast<const torch::optim::AdamWParamState&>(
+          *o.state().at(mp::detail::state_key<decltype(o.state())>(p)));
+      out.push_back(second ? s.exp_avg_sq() : s.exp_avg());
+    }
+    return out;
+  };
+  for (bool second : {false, true}) {
+    const auto full = moments(oa, second);
+    const auto kept = moments(ob, second);
+    for (std::size_t i = 0; i < full.size(); ++i) {
+      const auto expect = kept[i].scalar_type() == at::kBFloat16 ? full[i].to(at::kBFloat16)
+                                                                  : full[i];
+      CHECK(torch::equal(kept[i], expect));
+    }
+  }
+  // 200 steps: the trajectories part. Not by a bound on the weights: Adam's update of an
+  // element whose gradient hovers around 0 is +-lr by the sign of its first moment, which any
+  // difference in the weights flips (two fp32 runs that differ in one ulp part the same way).
+  // The losses are what must agree: each step's within 1 % (measured: 0.1 % at most).
+  const int steps = 200;
+  double worst = 0.0;
+  for (int s = 1; s < steps; ++s) {
+    const double la = train_step(ta, a, s).loss.item<double>();
+    const double lb = train_step(tb, b, s).loss.item<double>();
+    worst = std::max(worst, std::abs(la - lb) / la);
+  }
+  std::cout << "bf16 moments vs fp32 moments, AdamW, 200 steps: largest relative loss "
+            << "difference " << worst << ", largest master difference "
+            << max_difference(ta.master_weights(), tb.master_weights()) << "\n";
+  CHECK(worst < 0.01);
+}
+
+TEST_CASE("stochastic rounding trains where rounding to nearest freezes") {
+  // Weights near 1 (bf16's half ulp there is 2^-8 = 0.0039) and Adam's updates of ~1e-3: each
+  // update rounds back to the old weight to nearest; stochastically it lands a step away 1e-3 /
+  // 2^-7 of the times, so the weights drift to the target on average.
+  const auto run = [](auto policy_tag, int steps) {
+    using P = decltype(policy_tag);
+    torch::manual_seed(1);
+    auto net = torch::nn::Linear(torch::nn::LinearOptions(64, 1).bias(false));
+    {
+      torch::NoGradGuard no_grad;
+      net->weight.fill_(1.0);
+    }
+    auto target = torch::full({64, 1}, 1.05F);
+    torch::optim::Adam optimizer(net->parameters(), torch::optim::AdamOptions(1e-3));
+    mp::Trainer<P> trainer(net, optimizer);
+    auto g = at::make_generator<at::CPUGeneratorImpl>(9);
+    double last = 0.0;
+    for (int s = 0; s < steps; ++s) {
+      const auto x = at::randn({32, 64}, g);
+      const auto y = x.matmul(target);
+      last = trainer.step([&] {
+        return torch::mse_loss(net->forward(trainer.cast_input(x)).to(at::kFloat), y);
+      }).loss.template item<double>();
+    }
+    return std::make_pair(last, net->weight.detach().to(at::kFloat).clone());
+  };
+  const auto [loss_rn, w_rn] = run(mp::PureHalf<at::BFloat16>{}, 300);
+  const auto [loss_sr, w_sr] = run(Stochastic{}, 300);
+  const auto [loss_o2, w_o2] = run(PlainO2{}, 300);
+  const double initial = 64 * 0.05 * 0.05;  // E[(x . (w - target))^2] at w = 1
+  std::cout << "weights at 1, target 1.05, Adam lr 1e-3, 300 steps: loss "
+            << loss_rn << " (round to nearest), " << loss_sr << " (stochastic), " << loss_o2
+            << " (MixedO2), from " << initial << "\n";
+  CHECK(w_rn.eq(1.0F).all().item<bool>());  // frozen
+  // Stochastic: within what bf16 weights can reach: MixedO2's loss plus each weight off by
+  // up to one ulp (2^-7) of noise, 64 * 2^-14.
+  CHECK(loss_sr < 0.25 * initial);
+  CHECK(loss_sr <= loss_o2 + 64 * std::ldexp(1.0, -14));
+}
+
+TEST_CASE("lean checkpoints resume bit for bit, and convert to and from fp32 masters") {
+  const auto dir = std::filesystem::temp_directory_path() / "mixprec_test_lean_state";
+  std::filesystem::create_directories(dir);
+  const auto make_opt = [](const std::vector<at::Tensor>& p) {
+    return std::make_unique<torch::optim::AdamW>(p, torch::optim::AdamWOptions(1e-3));
+  };
+  const auto resume = [&](auto policy_tag) {
+    using P = decltype(policy_tag);
+    const auto path = (dir / "lean.pt").string();
+    auto a = make_net();
+    auto oa = make_opt(a->parameters());
+    mp::Trainer<P> ta(a, *oa, mp::TrainerOptions().rounding_seed(42));
+    for (int s = 0; s < 10; ++s) train_step(ta, a, s);
+    ta.save(path);
+    for (int s = 10; s < 20; ++s) train_step(ta, a, s);
+    auto b = make_net();
+    auto ob = make_opt(b->parameters());
+    mp::Trainer<P> tb(b, *ob);
+    tb.load(path);
+    for (int s = 10; s < 20; ++s) train_step(tb, b, s);
+    CHECK(same_bits(a->parameters(), b->parameters()));
+    CHECK(same_bits(ta.master_weights(), tb.master_weights()));
+  };
+  SUBCASE("RemainderMasters<BFloat16>") { resume(RemainderBf16{}); }
+  SUBCASE("StochasticRounding") { resume(Stochastic{}); }
+  SUBCASE("a lean checkpoint into fp32 masters and back") {
+    const auto path = (dir / "convert.pt").string();
+    auto a = make_net();
+    auto oa = make_opt(a->parameters());
+    mp::Trainer<RemainderBf16> ta(a, *oa);
+    for (int s = 0; s < 10; ++s) train_step(ta, a, s);
+    ta.save(path);
+    auto b = make_net();
+    auto ob = make_opt(b->parameters());
+    mp::Trainer<PlainO2> tb(b, *ob);
+    tb.load(path);
+    CHECK(same_bits(ta.master_weights(), tb.master_weights()));
+    CHECK(same_bits(a->parameters(), b->parameters()));
+    for (const auto& [key, state] : ob->state()) {  // widened: fp32 masters take fp32 moments
+      CHECK(static_cast<const torch::optim::AdamWParamState&>(*state).exp_avg().scalar_type() ==
+            at::kFloat);
+    }
+    const auto back = (dir / "back.pt").string();
+    tb.save(back);
+    auto c = make_net();
+    auto oc = make_opt(c->parameters());
+    mp::Trainer<RemainderBf16> tc(c, *oc);
+    tc.load(back);
+    for (int s = 10; s < 15; ++s) {
+      train_step(ta, a, s);
+      train_step(tc, c, s);
+    }
+    CHECK(same_bits(a->parameters(), c->parameters()));
+  }
+  SUBCASE("the fp32 export is the masters, exactly") {
+    auto a = make_net();
+    auto b = make_net();
+    auto oa = make_opt(a->parameters());
+    auto ob = make_opt(b->parameters());
+    mp::Trainer<PlainO2> ta(a, *oa);
+    mp::Trainer<Remainder> tb(b, *ob);
+    for (int s = 0; s < 10; ++s) {
+      train_step(ta, a, s);
+      train_step(tb, b, s);
+    }
+    const auto ea = ta.fp32_state_dict();
+    const auto eb = tb.fp32_state_dict();
+    REQUIRE(ea.size() == eb.size());
+    for (std::size_t i = 0; i < ea.size(); ++i) {
+      CHECK(torch::equal(ea[i].value(), eb[i].value()));
+    }
+  }
+  std::filesystem::remove_all(dir);
+}
+
+TEST_CASE("lean state: bad input is an Error that leaves the model and optimizer untouched") {
+  auto net = make_net();
+  const auto before = net->parameters();
+  std::vector<at::Tensor> copies;
+  for (const auto& p : before) copies.push_back(p.detach().clone());
+  torch::optim::RMSprop rmsprop(net->parameters(), torch::optim::RMSpropOptions(1e-3));
+  CHECK_THROWS_WITH_AS(mp::Trainer<RemainderBf16>(net, rmsprop),
+                       doctest::Contains("keeps the optimizer's moments in bf16"), mp::Error);
+  CHECK_THROWS_WITH_AS(mp::Trainer<Stochastic>(net, rmsprop),
+                       doctest::Contains("StochasticRounding<float>"), mp::Error);
+  CHECK(same_bits(net->parameters(), copies));
+  CHECK(rmsprop.state().empty());
+  // With fp32 moments RMSprop is fine.
+  CHECK_NOTHROW(mp::Trainer<StochasticFp32>(net, rmsprop));
+}
