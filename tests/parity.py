@@ -9,7 +9,8 @@ ddp_fp32 and ddp_bf16 train with DistributedDataParallel on Gloo ranks (`ddp()`)
 then a prefix: OUTPUT.rankR.txt for each rank R; zero_adamw does the same with DDP and
 ZeroRedundancyOptimizer(AdamW), each step's line starting with the rank's loss. INPUT is a torch::pickle_save dict from the C++ side: the initial weights
 (param.NAME), the data (x, y) and the hyperparameters (steps, batch, lr, momentum, and for fp16
-init_scale, growth_interval). Mode schedule trains with learning-rate schedules (`schedule()`).
+init_scale, growth_interval). Mode schedule trains with learning-rate schedules (`schedule()`);
+sr_adamw with torchao's stochastically rounding AdamW (`sr_adamw()`).
 OUTPUT gets one line per step: "loss scale skipped", the loss as
 repr() of the fp32 value, the scale the step used, and 1 when the step was skipped.
 """
@@ -61,6 +62,41 @@ def branch(mode, data, output_path):
             optimizer.step()
             values = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
             out.write(" ".join(repr(v) for v in values.tolist()) + "\n")
+
+
+def sr_adamw(data, output_path):
+    """torchao's _AdamW(bf16_stochastic_round=True) on the model in bf16, once per seed in
+    data["seeds"] (the seed of torch's generator, whose bits its rounding draws); OUTPUT gets one
+    line per step: the loss of each seed's run."""
+    import torchao.optim
+    # Eager: torchao compiles its step with torch.compile, which needs no graph here and would
+    # spend a minute in the C++ compiler. The arithmetic is the same.
+    torch.compile = lambda fn=None, **kwargs: fn if fn is not None else (lambda f: f)
+    x, y = data["x"], data["y"]
+    steps, batch, rows = int(data["steps"]), int(data["batch"]), data["x"].shape[0]
+    runs = []
+    for seed in range(int(data["seeds"])):
+        torch.manual_seed(seed)
+        model = build_model()
+        model.load_state_dict({k[len("param."):]: v for k, v in data.items()
+                               if k.startswith("param.")})
+        model = model.to(torch.bfloat16)
+        optimizer = torchao.optim._AdamW(model.parameters(), lr=float(data["lr"]),
+                                         weight_decay=float(data["weight_decay"]),
+                                         bf16_stochastic_round=True)
+        losses = []
+        for step in range(steps):
+            start = (step * batch) % rows
+            xb, yb = x[start:start + batch], y[start:start + batch]
+            optimizer.zero_grad()
+            loss = torch.nn.functional.cross_entropy(model(xb.to(torch.bfloat16)).float(), yb)
+            loss.backward()
+            optimizer.step()
+            losses.append(loss.item())
+        runs.append(losses)
+    with open(output_path, "w") as out:
+        for step in range(steps):
+            out.write(" ".join(repr(run[step]) for run in runs) + "\n")
 
 
 def write_line(out, tensors):
@@ -194,6 +230,8 @@ def main(mode, input_path, output_path):
     data = torch.load(input_path, weights_only=False)
     if mode == "schedule":
         return schedule(data, output_path)
+    if mode == "sr_adamw":
+        return sr_adamw(data, output_path)
     if mode.startswith("branch"):
         return branch(mode, data, output_path)
     if mode.startswith("ddp") or mode.startswith("zero"):

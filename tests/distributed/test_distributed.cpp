@@ -303,6 +303,12 @@ void case_equivalence(Rank& r, int accumulation) {
   // Weights, gradients and momentum all in bf16: measured up to 0.094 under LibTorch 1.13.
   equivalence<mp::PureHalf<at::BFloat16>>(r, accumulation, at::kFloat, 0.125);
   equivalence<mp::MixedO2<at::BFloat16>>(r, accumulation, at::kHalf, 0.05);
+  // The lean storages: remainders are the masters (MixedO2's bound); stochastic rounding draws
+  // the same bits on every rank and in the one process, so it parts from it as PureHalf does.
+  equivalence<mp::MixedO2<at::BFloat16, mp::RemainderMasters<at::BFloat16>>>(
+      r, accumulation, at::kFloat, 0.05);
+  equivalence<mp::PureHalf<at::BFloat16, mp::StochasticRounding<>>>(r, accumulation, at::kFloat,
+                                                                     0.125);
   if constexpr (mp::cpu_half_math) {
     equivalence<mp::MixedO1<at::Half>>(r, accumulation, at::kFloat, 0.01);
     equivalence<mp::MixedO2<at::Half>>(r, accumulation, at::kFloat, 0.01);
@@ -1900,8 +1906,9 @@ TEST_CASE("distributed: bad DistributedOptions are an Error before the model cha
                          mp::Error);
   }
   SUBCASE("sharded optimizer state under a lean storage") {
+    using Lean = mp::MixedO2<at::BFloat16, mp::RemainderMasters<>>;
     CHECK_THROWS_WITH_AS(
-        mp::Trainer<mp::MixedO2<at::BFloat16, mp::RemainderMasters<>>>(net, *optimizer,
+        mp::Trainer<Lean>(net, *optimizer,
             mp::TrainerOptions().distributed(
                 mp::DistributedOptions(group).shard_optimizer_state(true))),
         doctest::Contains("the lean state is kept per whole tensor"), mp::Error);

@@ -106,6 +106,19 @@ class LeanMasters {
     e.inflated = false;
   }
 
+  /// What a one-pass step (lean_adam.hpp) updates in place of pair `index`'s master: its
+  /// remainder (undefined under StochasticRounding), its ties that rounded down, and the key of
+  /// this step's stochastic rounding.
+  struct InPlace {
+    at::Tensor remainder;
+    std::vector<std::int64_t>* down_ties;
+    std::uint32_t key;
+  };
+  InPlace in_place(std::size_t index) {
+    auto& e = entries_.at(index);
+    return {e.remainder, &e.down_ties, rounding_key(seed_, rounds_, index)};
+  }
+
   /// After the stow of a step taken: the next step rounds with other bits.
   void finish_round() noexcept { ++rounds_; }
 

@@ -194,6 +194,29 @@ class MasterWeights {
     }
   }
 
+  /// A lean master's model tensor and what LeanMasters keeps of it, for a step that updates
+  /// them in place (lean_adam.hpp); nullopt for an fp32 master (or parameter).
+  struct LeanTarget {
+    at::Tensor model;
+    detail::LeanMasters::InPlace kept;
+  };
+  std::optional<LeanTarget> lean_target(const at::Tensor& master) {
+    const auto it = pair_of_master_.find(master.unsafeGetTensorImpl());
+    if (it == pair_of_master_.end() || pairs_[it->second].lean < 0) return std::nullopt;
+    const auto& pair = pairs_[it->second];
+    return LeanTarget{pair.model, lean_->in_place(static_cast<std::size_t>(pair.lean))};
+  }
+
+  /// Lean storage: each master's gradient is its model tensor's (the same tensor, bf16), for a
+  /// one-pass step that reads it there (no fp32 copy). Masters whose model has none keep theirs.
+  void alias_grads() {
+    for (auto& pair : pairs_) {
+      if (pair.lean >= 0 && pair.model.grad().defined()) {
+        pair.master.mutable_grad() = pair.model.grad();
+      }
+    }
+  }
+
   /// Sets the master of `model` to `value` (fp32), and the model to its rounding.
   void assign(const at::Tensor& model, const at::Tensor& value) {
     const auto it = pair_of_model_.find(model.unsafeGetTensorImpl());

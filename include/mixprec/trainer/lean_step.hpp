@@ -20,6 +20,12 @@ namespace mixprec::detail {
 template <class P>
 inline constexpr bool narrow_moments_of = storage_of<P>::moment_dtype == c10::ScalarType::BFloat16;
 
+/// P's masters are lean (RemainderMasters, StochasticRounding): under fused_optimizer on the
+/// CPU, Adam and AdamW step them in one pass (optim/lean_adam_step.hpp), inflating nothing.
+template <class P>
+inline constexpr bool lean_pass_storage = storage_of<P>::masters == MasterStorage::remainder ||
+                                          storage_of<P>::masters == MasterStorage::stochastic;
+
 /// The Trainer's construction: an Error where P's storage cannot keep this optimizer's state.
 template <class P>
 void check_lean_optimizer(const torch::optim::Optimizer& optimizer) {
@@ -43,10 +49,11 @@ inline void narrow_low_moments(torch::optim::Optimizer& optimizer, const MasterW
 template <class P>
 class LeanStep {
  public:
-  LeanStep(MasterWeights* masters, torch::optim::Optimizer& optimizer)
+  /// `inflate` false: a one-pass step reads and writes what the storage keeps.
+  LeanStep(MasterWeights* masters, torch::optim::Optimizer& optimizer, bool inflate = true)
       : masters_(masters), optimizer_(optimizer) {
     if constexpr (lean_state<P>) {
-      if (masters_ == nullptr) return;  // sharded: refused at construction
+      if (masters_ == nullptr || !inflate) return;  // sharded: refused at construction
       try {
         masters_->inflate();
         if constexpr (narrow_moments_of<P>) widen_moments(optimizer_);

@@ -6,6 +6,7 @@
 
 #include <mixprec/distributed/step_group.hpp>
 #include <mixprec/optim/fused_adam.hpp>
+#include <mixprec/optim/lean_adam_step.hpp>
 #include <mixprec/optim/master_weights.hpp>
 #include <mixprec/scaling/grad_passes.hpp>
 #include <mixprec/trainer/options.hpp>
@@ -64,13 +65,21 @@ struct OptimizerStep {
 
 /// Unscales, checks, clips, and steps or skips (`fused`: through ATen's fused Adam/AdamW, which
 /// divides by the scale itself); the engine is ready for the next step whatever happens.
+/// `lean`: masters of a lean storage that the fused step updates in one pass
+/// (lean_adam_step; `narrow_moments`: their moments are bf16) instead of ATen's kernel.
 inline OptimizerStep take_optimizer_step(StepEngine& engine, torch::optim::Optimizer& optimizer,
-                                         const UnscalePlan& plan, bool fused) {
+                                         const UnscalePlan& plan, bool fused,
+                                         MasterWeights* lean = nullptr,
+                                         bool narrow_moments = false) {
   OptimizerStep result;
   try {
     if (fused) {
       const auto done = engine.step_fused(optimizer, plan, [&](const at::Tensor& scale) {
-        fused_adam_step(optimizer, scale);
+        if (lean != nullptr) {
+          lean_adam_step(optimizer, *lean, scale, narrow_moments);
+        } else {
+          fused_adam_step(optimizer, scale);
+        }
       });
       result.stepped = done.stepped;
       result.grad_norm = done.grad_norm;

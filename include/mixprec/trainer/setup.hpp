@@ -85,6 +85,20 @@ inline void check_options(const TrainerOptions& options) {
 template <class P>
 void check_fused(const TrainerOptions& options, const torch::optim::Optimizer& optimizer) {
   if (!options.fused_optimizer()) return;
+  if constexpr (lean_pass_storage<P>) {
+    // On the CPU mixprec's own one-pass kernel (optim/lean_adam.hpp) steps Adam and AdamW;
+    // elsewhere ATen's fused kernel, between the inflated masters.
+    bool cpu = true;
+    for (const auto& t : optimizer_tensors(optimizer)) cpu = cpu && t.device().is_cpu();
+    if (cpu) {
+      MIXPREC_CHECK(adam_kind(optimizer).has_value(), "TrainerOptions::fused_optimizer under ",
+                    P::name, " steps Adam or AdamW in one pass over the lean state, so the "
+                    "optimizer must be exactly torch::optim::Adam or AdamW (a subclass could "
+                    "override step()); got ", c10::demangle(typeid(optimizer).name()),
+                    ": turn fused_optimizer off");
+      return;
+    }
+  }
   check_fused_adam(optimizer);
   MIXPREC_CHECK(!P::cast_model || P::master_weights, "TrainerOptions::fused_optimizer: ",
                 P::name, " keeps the optimizer's parameters in ", c10::toString(P::low_dtype),

@@ -200,6 +200,13 @@ class TrainedTensors {
   LeanMasters* lean() noexcept { return masters_ ? masters_->lean() : nullptr; }
   /// The parameters' device types: autocast engages on each.
   const std::vector<c10::DeviceType>& device_types() const noexcept { return device_types_; }
+  /// Every parameter is on the CPU.
+  bool cpu_only() const noexcept {
+    for (const auto d : device_types_) {
+      if (d != c10::DeviceType::CPU) return false;
+    }
+    return true;
+  }
 
   /// PyTorch's zero_grad(set_to_none=True), its default: a tensor the next step does not reach
   /// keeps no gradient, and the optimizer skips it (Adam's moments and weight decay do not move
