@@ -42,7 +42,14 @@ struct Options {
   double lr = 1e-4;
   std::uint64_t seed = 1;
   bool checkpoint_layers = false;
+  bool fused = false;
 };
+
+// --fused: ATen's fused AdamW (LibTorch >= 2.4), or under a lean storage mixprec's one-pass step.
+template <class P>
+bool fused_available() {
+  return mixprec::fused_adam_available || mixprec::detail::lean_pass_storage<P>;
+}
 
 template <class P>
 int run(const Options& o) {
@@ -67,7 +74,9 @@ int run(const Options& o) {
     std::cout << "checkpointing " << layers.size() << " layers (bert.encoder.layer.*)\n";
   }
   torch::optim::AdamW optimizer(model->parameters(), torch::optim::AdamWOptions(o.lr).weight_decay(0.01));
-  mixprec::Trainer<P> trainer(model, optimizer, mixprec::TrainerOptions().max_grad_norm(1.0));
+  mixprec::Trainer<P> trainer(
+      model, optimizer,
+      mixprec::TrainerOptions().max_grad_norm(1.0).fused_optimizer(o.fused && fused_available<P>()));
   std::cout << "policy " << P::name << ", " << model_dir << "\n";
   std::mt19937_64 shuffle(o.seed);
   std::vector<std::int64_t> order(data.train.size());
@@ -130,6 +139,9 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(3, 512));
   app.add_option("--lr", o.lr)->check(CLI::PositiveNumber);
   app.add_option("--seed", o.seed);
+  app.add_flag("--fused", o.fused,
+               "the fused AdamW step (ATen's; under bf16-o2-rem, bf16-o2-lean and bf16-sr "
+               "mixprec's one pass over the lean state)");
   app.add_flag("--checkpoint-layers", o.checkpoint_layers,
                "recompute each encoder layer's activations in backward instead of keeping them");
   CLI11_PARSE(app, argc, argv);

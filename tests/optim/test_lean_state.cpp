@@ -131,6 +131,20 @@ int first_difference(int steps, const MakeOptimizer& make, mp::TrainerOptions op
 
 }  // namespace
 
+static_assert(mp::PrecisionPolicy<Remainder> && mp::PrecisionPolicy<RemainderBf16> &&
+              mp::PrecisionPolicy<Stochastic> && mp::PrecisionPolicy<StochasticFp32>);
+static_assert(!mp::detail::lean_state<PlainO2> && mp::detail::lean_state<Remainder> &&
+              mp::detail::lean_state<mp::MixedO2<at::BFloat16, mp::Fp32Masters<at::BFloat16>>>);
+
+TEST_CASE("the lean policies' names, as messages and checkpoints print them") {
+  CHECK(PlainO2::name == "MixedO2<BFloat16>");  // the default storage: the name of before
+  CHECK(Remainder::name == "MixedO2<BFloat16, RemainderMasters>");
+  CHECK(RemainderBf16::name == "MixedO2<BFloat16, RemainderMasters<BFloat16>>");
+  CHECK(Stochastic::name == "PureHalf<BFloat16, StochasticRounding<BFloat16>>");
+  CHECK(StochasticFp32::name == "PureHalf<BFloat16, StochasticRounding>");
+  CHECK(mp::PureHalf<at::BFloat16>::name == "PureHalf<BFloat16>");
+}
+
 TEST_CASE("split and join: the bf16 rounding is copy_'s and the pair is the fp32 value, exactly") {
   const auto master = awkward_values();
   auto hi = at::empty(master.sizes(), master.options().dtype(at::kBFloat16));
@@ -224,9 +238,9 @@ TEST_CASE("remainder masters train bit for bit as fp32 masters, 200 steps, every
 }
 
 TEST_CASE("the one-pass lean Adam kernel: remainder masters are its fp32 masters, bit for bit") {
-  // 200 steps over 2^17 elements (about 200 ties that round down, each carried through a step),
+  // 200 steps over 2^15 elements (about 50 ties that round down, each carried through a step),
   // bf16 gradients, for each form of the moments and Adam and AdamW (with amsgrad).
-  const std::int64_t n = 1 << 17;
+  const std::int64_t n = 1 << 15;
   for (const bool moments_bf16 : {false, true}) {
     for (const bool adamw : {false, true}) {
       CAPTURE(moments_bf16);
@@ -270,7 +284,7 @@ TEST_CASE("the one-pass lean Adam kernel: remainder masters are its fp32 masters
       CHECK(torch::equal(back.view(at::kInt), master.view(at::kInt)));
       CHECK(torch::equal(hi.view(at::kShort), master.to(at::kBFloat16).view(at::kShort)));
       for (int k = 0; k < 3; ++k) CHECK(torch::equal(m32[k], mr[k]));
-      CHECK(tie_steps > 100);  // the ties' path ran, and carried over
+      CHECK(tie_steps >= 10);  // the ties' path ran, and carried over
     }
   }
 }
@@ -568,6 +582,11 @@ TEST_CASE("lean state: bad input is an Error that leaves the model and optimizer
                        doctest::Contains("StochasticRounding<float>"), mp::Error);
   CHECK(same_bits(net->parameters(), copies));
   CHECK(rmsprop.state().empty());
+  // The one-pass step (fused_optimizer) is Adam's and AdamW's.
+  torch::optim::SGD sgd(net->parameters(), torch::optim::SGDOptions(0.1));
+  CHECK_THROWS_WITH_AS(mp::Trainer<Remainder>(net, sgd, mp::TrainerOptions().fused_optimizer(true)),
+                       doctest::Contains("steps Adam or AdamW in one pass"), mp::Error);
+  CHECK(same_bits(net->parameters(), copies));
   // With fp32 moments RMSprop is fine.
   CHECK_NOTHROW(mp::Trainer<StochasticFp32>(net, rmsprop));
 }

@@ -14,6 +14,9 @@
 /// - MixedO2: halves parameter and activation memory; fp32 masters keep small updates from vanishing.
 /// - PureHalf: the cheapest and least safe; for measuring the speed ceiling, or bf16 fine-tuning.
 /// `Low` is at::Half (default; needs loss scaling) or at::BFloat16 (fp32's range; no scaling).
+/// MixedO2 and PureHalf take a second argument, how the training state is kept between steps
+/// (state_storage.hpp): RemainderMasters<> halves MixedO2<BFloat16>'s masters without changing
+/// a bit of its training; StochasticRounding<> lets PureHalf<BFloat16> train without them.
 /// A custom policy derives from one of these and overrides members; it must keep PrecisionPolicy.
 
 #include <mixprec/core/concepts.hpp>

@@ -24,6 +24,55 @@
 
 namespace mixprec {
 
+namespace detail {
+
+// Whether the optimizer has stepped state for `p` (LibTorch's Adagrad makes state at
+// construction, which is not a step).
+inline bool has_stepped_state_for(const torch::optim::Optimizer& optimizer, const at::Tensor& p) {
+  const auto& states = optimizer.state();
+  return has_stepped(optimizer) &&
+         states.count(state_key<std::decay_t<decltype(states)>>(p)) == 1;
+}
+
+// The checks of MasterWeights' binding: every tensor the optimizer holds is a master
+// (`is_master`) or one of `model_params`; a model tensor with a master (`master_of_model`) is
+// not held beside it, nor stepped outside the Trainer; none is in two param groups.
+template <class MasterOf, class IsMaster>
+void check_master_groups(const std::vector<at::Tensor>& model_params,
+                         const torch::optim::Optimizer& optimizer, IsMaster&& is_master,
+                         MasterOf&& master_of_model) {
+  const auto model = identities(model_params);
+  const auto held = identities(optimizer_tensors(optimizer));
+  std::unordered_map<const void*, std::size_t> group_of;
+  const auto& groups = optimizer.param_groups();
+  for (std::size_t g = 0; g < groups.size(); ++g) {
+    for (const auto& p : groups[g].params()) {
+      const void* id = p.unsafeGetTensorImpl();
+      if (!is_master(id)) {
+        MIXPREC_CHECK(model.count(id) == 1, "the optimizer holds a tensor of shape ", p.sizes(),
+                      " that is not a parameter of the model: build it on model->parameters()");
+        const at::Tensor* master = master_of_model(id);
+        if (master != nullptr) {
+          MIXPREC_CHECK(held.count(master->unsafeGetTensorImpl()) == 0, "param group ", g,
+                        " holds a model tensor of shape ", p.sizes(), " that the optimizer "
+                        "already trains through its fp32 master: put each tensor in one group");
+          MIXPREC_CHECK(!has_stepped_state_for(optimizer, p), "the optimizer holds the model's ",
+                        p.scalar_type(), " tensor of shape ", p.sizes(), " and has state for "
+                        "it (it was stepped outside the Trainer): the Trainer steps the fp32 "
+                        "master weights. Build the new optimizer on model->parameters() and "
+                        "let the Trainer take it before any optimizer.step() of yours");
+        }
+      }
+      const auto [it, inserted] = group_of.try_emplace(id, g);
+      MIXPREC_CHECK(inserted || it->second == g, "a tensor of shape ", p.sizes(), " is in "
+                    "param groups ", it->second, " and ", g, " of the optimizer (PyTorch "
+                    "refuses this too): put each tensor in one group");
+    }
+  }
+}
+
+}  // namespace detail
+
 class MasterWeights {
  public:
   /// Masters for the (already cast) parameters the optimizer holds, from `fp32_values` (the
@@ -54,7 +103,9 @@ class MasterWeights {
   /// param groups (PyTorch refuses that too).
   static void check_params_of(const std::vector<at::Tensor>& model_params,
                               const torch::optim::Optimizer& optimizer) {
-    check_groups(model_params, optimizer, nullptr);
+    detail::check_master_groups(
+        model_params, optimizer, [](const void*) { return false; },
+        [](const void*) -> const at::Tensor* { return nullptr; });
   }
 
   /// Throws unless every tensor `optimizer` holds is a master, or one of `model_params`: one
@@ -63,7 +114,10 @@ class MasterWeights {
   /// which needs the optimizer to have no state for it); and none is in two param groups.
   void check_bindable(const std::vector<at::Tensor>& model_params,
                       const torch::optim::Optimizer& optimizer) const {
-    check_groups(model_params, optimizer, this);
+    detail::check_master_groups(
+        model_params, optimizer,
+        [this](const void* id) { return pair_of_master_.count(id) == 1; },
+        [this](const void* id) { return master_of_model(id); });
   }
 
   /// The model tensors the optimizer holds that have no master yet, each once.
@@ -290,50 +344,10 @@ class MasterWeights {
     return lean_->value(static_cast<std::size_t>(pair.lean), pair.model);
   }
 
-  static void check_groups(const std::vector<at::Tensor>& model_params,
-                           const torch::optim::Optimizer& optimizer, const MasterWeights* self) {
-    const auto model = detail::identities(model_params);
-    const auto held = detail::identities(detail::optimizer_tensors(optimizer));
-    std::unordered_map<const void*, std::size_t> group_of;
-    const auto& groups = optimizer.param_groups();
-    for (std::size_t g = 0; g < groups.size(); ++g) {
-      for (const auto& p : groups[g].params()) {
-        const void* id = p.unsafeGetTensorImpl();
-        if (self == nullptr || self->pair_of_master_.count(id) == 0) {
-          MIXPREC_CHECK(model.count(id) == 1, "the optimizer holds a tensor of shape ", p.sizes(),
-                        " that is not a parameter of the model: build it on model->parameters()");
-          const auto* master = self != nullptr ? self->master_of_model(id) : nullptr;
-          if (master != nullptr) {
-            MIXPREC_CHECK(held.count(master->unsafeGetTensorImpl()) == 0, "param group ", g,
-                          " holds a model tensor of shape ", p.sizes(), " that the optimizer "
-                          "already trains through its fp32 master: put each tensor in one group");
-            MIXPREC_CHECK(!has_state_for(optimizer, p), "the optimizer holds the model's ",
-                          p.scalar_type(), " tensor of shape ", p.sizes(), " and has state for "
-                          "it (it was stepped outside the Trainer): the Trainer steps the fp32 "
-                          "master weights. Build the new optimizer on model->parameters() and "
-                          "let the Trainer take it before any optimizer.step() of yours");
-          }
-        }
-        const auto [it, inserted] = group_of.try_emplace(id, g);
-        MIXPREC_CHECK(inserted || it->second == g, "a tensor of shape ", p.sizes(), " is in "
-                      "param groups ", it->second, " and ", g, " of the optimizer (PyTorch "
-                      "refuses this too): put each tensor in one group");
-      }
-    }
-  }
-
   // The master of the model tensor `id`, or null where it has none.
   const at::Tensor* master_of_model(const void* id) const {
     const auto it = pair_of_model_.find(id);
     return it == pair_of_model_.end() ? nullptr : &pairs_[it->second].master;
-  }
-
-  // Whether the optimizer has stepped state for `p` (LibTorch's Adagrad makes state at
-  // construction, which is not a step).
-  static bool has_state_for(const torch::optim::Optimizer& optimizer, const at::Tensor& p) {
-    const auto& states = optimizer.state();
-    return detail::has_stepped(optimizer) &&
-           states.count(detail::state_key<std::decay_t<decltype(states)>>(p)) == 1;
   }
 
   std::vector<Pair> pairs_;
