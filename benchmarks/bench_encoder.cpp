@@ -15,7 +15,9 @@
 //   ./build/default/benchmarks/bench_encoder --checkpointing [--repetitions N]
 //                              the rows that checkpointing changes: fp32, MixedO1 and MixedO2
 //                              in bf16 with and without it, Python's fp32 and autocast likewise
-//   ./build/default/benchmarks/bench_encoder --smoke    tiny sizes (ctest)
+//   ./build/default/benchmarks/bench_encoder --smoke    tiny sizes (ctest): memory measured in
+//                              the timed runs, one batch per recipe in part 3 (10 processes, not
+//                              24: each loads the model, a Python one imports transformers too)
 // MIXPREC_PYTHON: the Python with transformers (./scripts/bench sets it).
 #include "harness.hpp"
 #include "tensor_memory.hpp"
@@ -305,23 +307,28 @@ int main(int argc, char** argv) {
   timing.warmup = warmup;
   timing.repetitions = reps;
   std::vector<std::vector<double>> rss(configs.size());
+  std::vector<std::vector<double>> live(configs.size()), live_step(configs.size());
   bool ok = true;
   std::size_t runs = 0;  // the first warmup * configs.size() are the warm-up's
   const auto samples = bench::interleaved_samples(configs.size(), timing, [&](std::size_t v) {
-    const auto m = ok ? run(configs[v], data, steps, threads) : std::nullopt;
-    if (!m || m->ms.empty()) {
+    // The smoke run measures memory here too (its figures are not read): no runs of part 2.
+    const auto m = ok ? run(configs[v], data, steps, threads, smoke ? "memory" : "") : std::nullopt;
+    if (!m || m->ms.empty() || (smoke && m->live_mib < 0)) {
       if (ok) std::cerr << "bench_encoder: " << configs[v].name << " failed\n";
       ok = false;
       return 1.0;
     }
     if (runs++ >= static_cast<std::size_t>(warmup) * configs.size()) rss[v].push_back(m->rss_mib);
+    if (smoke) {
+      live[v].push_back(m->live_mib);
+      live_step[v].push_back(m->live_mib - m->live_start_mib);
+    }
     return bench::median(m->ms);
   });
   if (!ok) return 1;
   // 2. Memory: each configuration's live tensor bytes, in runs of their own (two, to show the
-  // measure does not wander).
-  const int memory_runs = smoke ? 1 : 2;
-  std::vector<std::vector<double>> live(configs.size()), live_step(configs.size());
+  // measure does not wander; the smoke run's came from its timed runs).
+  const int memory_runs = smoke ? 0 : 2;
   for (int r = 0; r < memory_runs && ok; ++r) {
     for (std::size_t v = 0; v < configs.size(); ++v) {
       const auto m = run(configs[v], data, memory_steps, threads, "memory");
@@ -357,7 +364,9 @@ int main(int argc, char** argv) {
       << "unchecked). Memory: *live tensors*: the peak of live tensor bytes during a step, as the "
       << "CPU allocator reports every allocation and free (the hook of PyTorch's profiler; Python: "
       << "torch.profiler's memory events), in the last of " << memory_steps << " steps of "
-      << memory_runs << " runs of their own; *step's "
+      << (smoke ? std::string("the timed runs (--smoke)")
+                : std::to_string(memory_runs) + " runs of their own")
+      << "; *step's "
       << "own*: that peak above what was live when the step began (model, optimizer state): "
       << "activations, gradients, temporaries. Peak RSS: with MALLOC_MMAP_THRESHOLD_=65536, so "
       << "that glibc returns freed tensors to the system at once and the RSS follows the live "
@@ -398,14 +407,16 @@ int main(int argc, char** argv) {
   for (std::size_t v = 0; v < configs.size(); ++v) {
     if (live[v].size() > 1) live_spread = std::max(live_spread, std::stod(spread(live[v], 3)));
   }
-  out << "\nThe live tensor peaks of the " << memory_runs << " memory runs of each configuration "
-      << "differ by at most " << bench::fixed(live_spread, 3) << " MiB.\n";
+  if (!smoke) {
+    out << "\nThe live tensor peaks of the " << memory_runs << " memory runs of each "
+        << "configuration differ by at most " << bench::fixed(live_spread, 3) << " MiB.\n";
+  }
 
   // 3. The largest batch within the budget: batches growing by half, then bisected to a
   // multiple of 8, each a process of 2 steps (the first allocates AdamW's state) that stops as
   // soon as its RSS exceeds the budget.
   const double budget = smoke ? 1e9 : 3072;
-  const std::int64_t first = smoke ? 2 : 16, cap = smoke ? 4 : 1024, grain = smoke ? 1 : 8;
+  const std::int64_t first = smoke ? 2 : 16, cap = smoke ? 2 : 1024, grain = smoke ? 1 : 8;
   std::vector<std::string> budgeted{"FullPrecision", "FullPrecision, checkpointed"};
   if (all_rows) budgeted.insert(budgeted.end(), {"MixedO2<BFloat16>", "MixedO2<BFloat16>, checkpointed"});
   if (all_rows) budgeted.insert(budgeted.begin() + 2, {"MixedO1<BFloat16>", "MixedO1<BFloat16>, checkpointed"});

@@ -1,5 +1,9 @@
-"""Hugging Face's side of the encoder parity tests (tests/test_parity.cpp, label python).
+"""Hugging Face's side of the encoder parity tests (tests/test_encoder.cpp, label python).
 
+    python parity_encoder.py jobs MODEL_DIR JOBS
+        every job of JOBS, one "MODE INPUT OUTPUT" a line (the modes below), in this one
+        process: the test runs them all at once, so that torch and transformers are imported
+        once, not once per case (seconds each)
     python parity_encoder.py tokens MODEL_DIR TEXTS OUTPUT
         the `tokenizers` ids of each line of TEXTS (UTF-8), [CLS] and [SEP] included, one line
         of ids per text
@@ -10,7 +14,8 @@
         fine-tunes BertModel + mean pooling + a Linear head (INPUT's initial weights) with AdamW
         on INPUT's batches, dropout off; fp32, torch.autocast(bfloat16), or autocast(float16) +
         GradScaler("cpu"); clipping at INPUT's max_grad_norm after unscale_. One line per step:
-        the loss (repr of the fp32 value), the scale, 1 if the step was skipped.
+        the loss (repr of the fp32 value), the scale, 1 if the step was skipped. Each mode
+        fine-tunes a model of its own, loaded afresh.
 
 INPUT is a torch::pickle_save dict from the C++ side. No network: HF_HUB_OFFLINE=1.
 """
@@ -97,15 +102,26 @@ def finetune(mode, model_dir, data, output):
             out.write(f"{loss.item()!r} {scale!r} {skipped}\n")
 
 
-def main(mode, *args):
-    torch.set_num_threads(1)
-    model_dir, input_path, output = args
+def run(mode, model_dir, input_path, output):
     if mode == "tokens":
         return tokens(model_dir, input_path, output)
     data = torch.load(input_path, weights_only=False)
     if mode == "hidden":
         return hidden(model_dir, data, output)
-    return finetune(mode, model_dir, data, output)
+    if mode in ("finetune_fp32", "finetune_bf16", "finetune_fp16"):
+        return finetune(mode, model_dir, data, output)
+    raise SystemExit(f"parity_encoder.py: unknown mode {mode!r}")
+
+
+def main(mode, *args):
+    torch.set_num_threads(1)
+    if mode != "jobs":
+        return run(mode, *args)
+    model_dir, jobs = args
+    with open(jobs) as f:
+        for line in f:
+            job_mode, input_path, output = line.split()
+            run(job_mode, model_dir, input_path, output)
 
 
 if __name__ == "__main__":

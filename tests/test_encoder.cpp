@@ -23,8 +23,10 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <sstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace mp = mixprec;
@@ -269,13 +271,122 @@ TEST_CASE("encoder: the pretrained weights load by name; a missing, extra or res
 
 namespace {
 
-std::string python_command(const std::string& mode, const std::string& input, const std::string& output) {
-  return std::string(MIXPREC_SYSTEM_PYTHON) + " " + MIXPREC_PARITY_ENCODER_SCRIPT + " " + mode +
-         " " + kModelDir + " " + input + " " + output;
-}
-
 std::vector<encoder::Example> parity_examples(std::size_t count) {
   return encoder::debian_sections(encoder::release_package_list(), 8, count, 0).train;
+}
+
+std::vector<std::pair<std::string, std::string>> described_packages() {
+  return encoder::package_descriptions(encoder::read_package_list(encoder::release_package_list()));
+}
+
+void write_pickle(const std::string& path, const c10::impl::GenericDict& dict) {
+  const auto bytes = torch::pickle_save(c10::IValue(dict));
+  std::ofstream(path, std::ios::binary).write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+}
+
+// The batch of the last_hidden_state case: the parity split's first 16 descriptions.
+encoder::Batch hidden_batch(const encoder::WordPiece& tokenizer) {
+  const auto examples = parity_examples(16);
+  std::vector<std::int64_t> order(examples.size());
+  for (std::size_t i = 0; i < order.size(); ++i) order[i] = static_cast<std::int64_t>(i);
+  return encoder::make_batch(tokenizer, examples, order, 0, examples.size(), 64);
+}
+
+// The fine-tuning cases' recipe: `kSteps` batches of 8 (the parity split's first descriptions,
+// 32 tokens at most), AdamW, clipping at 1, dropout off; the same for every policy.
+constexpr std::int64_t kSteps = 50, kBatch = 8;
+constexpr double kLr = 1e-4, kWeightDecay = 0.01, kInitScale = 65536.0;
+
+std::vector<encoder::Batch> finetune_batches(const encoder::WordPiece& tokenizer) {
+  const auto examples = parity_examples(static_cast<std::size_t>(kSteps * kBatch));
+  std::vector<std::int64_t> order(examples.size());
+  for (std::size_t i = 0; i < order.size(); ++i) order[i] = static_cast<std::int64_t>(i);
+  std::vector<encoder::Batch> batches;
+  for (std::int64_t k = 0; k < kSteps; ++k) {
+    batches.push_back(encoder::make_batch(tokenizer, examples, order, static_cast<std::size_t>(k * kBatch),
+                                          static_cast<std::size_t>((k + 1) * kBatch), 32));
+  }
+  return batches;
+}
+
+// The model every fine-tuning case starts from: the pretrained encoder and a head drawn from
+// seed 3, the same for every policy and for Python's side (which is given the head's weights).
+encoder::Classifier finetune_model() {
+  torch::manual_seed(3);
+  return encoder::pretrained_classifier(kModelDir, 8, /*dropout=*/false);
+}
+
+// Hugging Face's side of the cases below (tests/parity_encoder.py), run at the first case that
+// needs it, for all of them in one Python process: importing torch and transformers takes
+// seconds, which five processes paid five times. Writes every case's input and returns each
+// mode's output file: "tokens" (ids per description), "hidden" (last_hidden_state),
+// "finetune_fp32", "finetune_bf16", "finetune_fp16" (where this LibTorch has fp16 math on the
+// CPU; the case is skipped elsewhere): one "loss scale skipped" line per step.
+const std::map<std::string, std::string>& python_outputs() {
+  static const std::map<std::string, std::string> outputs = [] {
+    torch::set_num_threads(1);
+    const encoder::WordPiece tokenizer(kModelDir + "/vocab.txt");
+    std::map<std::string, std::string> files;
+    const auto jobs = test::temp_path("encoder_jobs.txt");
+    std::ofstream list(jobs);
+    const auto job = [&](const std::string& mode, const std::string& input, const std::string& output) {
+      list << mode << " " << input << " " << output << "\n";
+      files[mode] = output;
+    };
+    const auto texts = test::temp_path("encoder_texts.txt");
+    {
+      std::ofstream out(texts);
+      for (const auto& [text, section] : described_packages()) out << text << "\n";
+    }
+    job("tokens", texts, test::temp_path("encoder_tokens.txt"));
+    const auto hidden = test::temp_path("encoder_hidden.pt");
+    {
+      const auto b = hidden_batch(tokenizer);
+      c10::impl::GenericDict dict(c10::StringType::get(), c10::AnyType::get());
+      dict.insert("ids", b.ids);
+      dict.insert("mask", b.mask);
+      write_pickle(hidden, dict);
+    }
+    job("hidden", hidden, test::temp_path("encoder_hidden_python.pt"));
+    const auto finetune = test::temp_path("encoder_finetune.pt");
+    {
+      const auto batches = finetune_batches(tokenizer);
+      const auto model = finetune_model();
+      c10::impl::GenericDict dict(c10::StringType::get(), c10::AnyType::get());
+      dict.insert("head.weight", model->head->weight.detach().clone());
+      dict.insert("head.bias", model->head->bias.detach().clone());
+      for (std::int64_t k = 0; k < kSteps; ++k) {
+        const auto& b = batches[static_cast<std::size_t>(k)];
+        dict.insert("ids." + std::to_string(k), b.ids);
+        dict.insert("mask." + std::to_string(k), b.mask);
+        dict.insert("labels." + std::to_string(k), b.labels);
+      }
+      dict.insert("steps", kSteps);
+      dict.insert("classes", std::int64_t{8});
+      dict.insert("lr", kLr);
+      dict.insert("weight_decay", kWeightDecay);
+      dict.insert("max_grad_norm", 1.0);
+      dict.insert("init_scale", kInitScale);
+      write_pickle(finetune, dict);
+    }
+    for (const std::string mode : {"fp32", "bf16", "fp16"}) {
+      if (mode == "fp16" && !mp::cpu_half_math) continue;
+      job("finetune_" + mode, finetune, test::temp_path("encoder_finetune_" + mode + ".txt"));
+    }
+    list.close();
+    const auto command = std::string(MIXPREC_SYSTEM_PYTHON) + " " + MIXPREC_PARITY_ENCODER_SCRIPT +
+                         " jobs " + kModelDir + " " + jobs;
+    REQUIRE(std::system(command.c_str()) == 0);
+    return files;
+  }();
+  return outputs;
+}
+
+const std::string& python_output(const std::string& mode) {
+  const auto& outputs = python_outputs();
+  const auto it = outputs.find(mode);
+  REQUIRE_MESSAGE(it != outputs.end(), "no Python job for ", mode);
+  return it->second;
 }
 
 }  // namespace
@@ -283,16 +394,8 @@ std::vector<encoder::Example> parity_examples(std::size_t count) {
 TEST_CASE("encoder: token ids equal Python tokenizers' on every description of the package list" *
           doctest::skip(kNoModel || kNoPython)) {
   const encoder::WordPiece tokenizer(kModelDir + "/vocab.txt");
-  const auto pairs = encoder::package_descriptions(
-      encoder::read_package_list(encoder::release_package_list()));
-  const auto texts = test::temp_path("encoder_texts.txt");
-  {
-    std::ofstream out(texts);
-    for (const auto& [text, section] : pairs) out << text << "\n";
-  }
-  const auto output = test::temp_path("encoder_tokens.txt");
-  REQUIRE(std::system(python_command("tokens", texts, output).c_str()) == 0);
-  std::ifstream in(output);
+  const auto pairs = described_packages();
+  std::ifstream in(python_output("tokens"));
   std::size_t differ = 0, non_ascii = 0, line = 0;
   for (std::string ids; std::getline(in, ids); ++line) {
     REQUIRE(line < pairs.size());
@@ -314,21 +417,8 @@ TEST_CASE("encoder: last_hidden_state equals transformers' BertModel within fp32
           doctest::skip(kNoModel || kNoPython)) {
   torch::set_num_threads(1);
   const encoder::WordPiece tokenizer(kModelDir + "/vocab.txt");
-  const auto examples = parity_examples(16);
-  std::vector<std::int64_t> order(examples.size());
-  for (std::size_t i = 0; i < order.size(); ++i) order[i] = static_cast<std::int64_t>(i);
-  const auto b = encoder::make_batch(tokenizer, examples, order, 0, examples.size(), 64);
-  const auto input = test::temp_path("encoder_hidden.pt");
-  {
-    c10::impl::GenericDict dict(c10::StringType::get(), c10::AnyType::get());
-    dict.insert("ids", b.ids);
-    dict.insert("mask", b.mask);
-    const auto bytes = torch::pickle_save(c10::IValue(dict));
-    std::ofstream(input, std::ios::binary).write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
-  }
-  const auto output = test::temp_path("encoder_hidden_python.pt");
-  REQUIRE(std::system(python_command("hidden", input, output).c_str()) == 0);
-  std::ifstream in(output, std::ios::binary);
+  const auto b = hidden_batch(tokenizer);
+  std::ifstream in(python_output("hidden"), std::ios::binary);
   const std::vector<char> bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
   const auto theirs = torch::pickle_load(bytes).toTensor();
   auto model = encoder::pretrained_classifier(kModelDir, 8, /*dropout=*/false);
@@ -354,47 +444,17 @@ struct StepRecord {
   bool skipped = false;
 };
 
-// Fine-tunes `steps` batches of 8 (the parity split's first descriptions, 32 tokens at most)
-// with AdamW, clipping at 1, dropout off; here under P, in Python under `mode`. The same scales
-// and skips; the losses within `tolerance` of each other, relative, as the other parity tests.
+// Fine-tunes the recipe above under P; in Python under `mode`. The same scales and skips; the
+// losses within `tolerance` of each other, relative, as the other parity tests.
 template <class P>
 void check_finetune(const std::string& mode, double tolerance) {
   torch::set_num_threads(1);
-  const std::int64_t steps = 50, batch = 8;
-  const double lr = 1e-4, weight_decay = 0.01, init_scale = 65536.0;
+  const std::int64_t steps = kSteps;
+  const double lr = kLr, weight_decay = kWeightDecay, init_scale = kInitScale;
+  const auto& output = python_output(mode);
   const encoder::WordPiece tokenizer(kModelDir + "/vocab.txt");
-  const auto examples = parity_examples(static_cast<std::size_t>(steps * batch));
-  std::vector<std::int64_t> order(examples.size());
-  for (std::size_t i = 0; i < order.size(); ++i) order[i] = static_cast<std::int64_t>(i);
-  std::vector<encoder::Batch> batches;
-  for (std::int64_t k = 0; k < steps; ++k) {
-    batches.push_back(encoder::make_batch(tokenizer, examples, order, static_cast<std::size_t>(k * batch),
-                                          static_cast<std::size_t>((k + 1) * batch), 32));
-  }
-  torch::manual_seed(3);
-  auto model = encoder::pretrained_classifier(kModelDir, 8, /*dropout=*/false);
-  const auto input = test::temp_path("encoder_" + mode + ".pt");
-  {
-    c10::impl::GenericDict dict(c10::StringType::get(), c10::AnyType::get());
-    dict.insert("head.weight", model->head->weight.detach().clone());
-    dict.insert("head.bias", model->head->bias.detach().clone());
-    for (std::int64_t k = 0; k < steps; ++k) {
-      const auto& b = batches[static_cast<std::size_t>(k)];
-      dict.insert("ids." + std::to_string(k), b.ids);
-      dict.insert("mask." + std::to_string(k), b.mask);
-      dict.insert("labels." + std::to_string(k), b.labels);
-    }
-    dict.insert("steps", steps);
-    dict.insert("classes", std::int64_t{8});
-    dict.insert("lr", lr);
-    dict.insert("weight_decay", weight_decay);
-    dict.insert("max_grad_norm", 1.0);
-    dict.insert("init_scale", init_scale);
-    const auto bytes = torch::pickle_save(c10::IValue(dict));
-    std::ofstream(input, std::ios::binary).write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
-  }
-  const auto output = test::temp_path("encoder_" + mode + ".txt");
-  REQUIRE(std::system(python_command(mode, input, output).c_str()) == 0);
+  const auto batches = finetune_batches(tokenizer);
+  auto model = finetune_model();
   std::vector<StepRecord> python;
   {
     std::ifstream in(output);

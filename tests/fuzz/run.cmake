@@ -1,7 +1,9 @@
-# cmake -DACTION=build -DSOURCE_DIR=... -DWORK_DIR=... -DGENERATOR=... -DTorch_DIR=... -DCXX=... -P run.cmake
+# cmake -DACTION=build -DSOURCE_DIR=... -DWORK_DIR=... -DGENERATOR=... -DTorch_DIR=... -DCXX=...
+#       [-DOPT=-O0|-O1] -P run.cmake
 # cmake -DACTION=run -DWORK_DIR=... -DTARGET=trainer_load|scaler_load|ops_mask|safetensors|torch_save -DSECONDS=40
 #       [-DREGRESSIONS=tests/fuzz/regressions] -P run.cmake
-# build: configures and builds tests/fuzz with clang++ against the main build's LibTorch.
+# build: configures and builds tests/fuzz with clang++ against the main build's LibTorch, at OPT
+# (default -O1), or at $ENV{MIXPREC_FUZZ_OPT} where that is set (scripts/fuzz: -O1).
 # run: writes the target's seeds (real checkpoints, state dicts, op calls) and adds the saved
 # inputs of REGRESSIONS/<target>/; SECONDS 0 replays them once (what ctest does); SECONDS > 0
 # fuzzes for that long in libFuzzer's fork mode (./scripts/fuzz), prints the executions and
@@ -15,9 +17,14 @@ if(ACTION STREQUAL "build")
   if(_ccache)
     set(_launcher -DCMAKE_CXX_COMPILER_LAUNCHER=${_ccache})
   endif()
+  if(DEFINED ENV{MIXPREC_FUZZ_OPT})
+    set(OPT $ENV{MIXPREC_FUZZ_OPT})
+  elseif(NOT OPT)
+    set(OPT -O1)
+  endif()
   execute_process(
     COMMAND ${CMAKE_COMMAND} -S ${SOURCE_DIR}/tests/fuzz -B ${WORK_DIR}/build -G ${GENERATOR}
-            -DCMAKE_CXX_COMPILER=${CXX} -DCMAKE_BUILD_TYPE=RelWithDebInfo
+            -DCMAKE_CXX_COMPILER=${CXX} -DCMAKE_BUILD_TYPE=RelWithDebInfo -DMIXPREC_FUZZ_OPT=${OPT}
             -DMIXPREC_SOURCE_DIR=${SOURCE_DIR} -DTorch_DIR=${Torch_DIR}
             "-DCMAKE_PREFIX_PATH=${_torch_root}" ${_launcher}
     RESULT_VARIABLE _rc)
