@@ -39,7 +39,9 @@ namespace moments {
 // f(key, moment) -> the tensor to keep, for every moment tensor of Adam, AdamW and SGD state.
 template <class F>
 void for_each_moment(torch::optim::Optimizer& optimizer, F&& f) {
-  for (auto& [key, state] : optimizer.state()) {
+  for (auto& item : optimizer.state()) {  // no structured binding: clang 14 cannot capture one
+    const auto& key = item.first;
+    auto& state = item.second;
     const auto g = [&](const at::Tensor& m) { return f(key, m); };
     if (auto* s = dynamic_cast<torch::optim::AdamParamState*>(state.get())) {
       s->exp_avg(g(s->exp_avg()));
