@@ -92,24 +92,25 @@ int main(int argc, char** argv) {
                                                      layers, false);
         },
         [&] {
-          return make_run<mp::MixedO2<at::BFloat16, mp::RemainderMasters<>>>("RemainderMasters<>",
+          return make_run<mp::MixedO2<at::BFloat16, mp::RemainderMasters<>>>("RemainderMasters<>, one pass",
                                                                              width, layers, true);
         },
         [&] {
-          return make_run<mp::MixedO2<at::BFloat16, Lean>>("RemainderMasters<BFloat16>", width,
+          return make_run<mp::MixedO2<at::BFloat16, Lean>>("RemainderMasters<BFloat16>, one pass", width,
                                                            layers, true);
         },
         [&] {
           return make_run<mp::PureHalf<at::BFloat16, mp::StochasticRounding<>>>(
-              "PureHalf + StochasticRounding<BFloat16>", width, layers, true);
+              "PureHalf + StochasticRounding<BFloat16>, one pass", width, layers, true);
         }};
     return makers;
   };
   const auto makers = make_runs();
 
-  std::printf("## Lean training state: bytes and step time\n\n"
+  std::printf("## bench_lean: the lean training state's bytes and step time\n\n"
               "An MLP of %d Linear(%lld, %lld) layers and a LayerNorm, one row per batch, AdamW "
-              "(%s), one thread. %s\n",
+              "(%s; *one pass*: fused_optimizer under a lean storage, mixprec's one-pass step, "
+              "optim/lean_adam.hpp), one thread. %s\n",
               layers, static_cast<long long>(width), static_cast<long long>(width),
               mp::fused_adam_available ? "ATen's fused step, but for the unfused row"
                                        : "LibTorch's step",
@@ -151,5 +152,10 @@ int main(int argc, char** argv) {
   for (auto& r : runs) variants.push_back({r.name, [&r] { r.step(); }});
   const auto ms = bench::interleaved_samples(variants, options);
   bench::print_table("Step time (the optimizer pass dominates)", variants, ms);
+  std::printf("\nCommand: `./build/bench/benchmarks/bench_lean` (`./scripts/bench bench_lean`). "
+              "*between steps*: Trainer::state_bytes(), summed from the tensors; *+ gradients*: "
+              "and the backward pass's gradients (2 bytes per bf16 parameter); *step peak*: the "
+              "largest sum of live CPU tensor bytes during a step, from LibTorch's allocator "
+              "reports (tensor_memory.hpp), each variant built and run under its own count.\n");
   return 0;
 }
