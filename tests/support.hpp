@@ -18,6 +18,21 @@ C10_DECLARE_bool(caffe2_cpu_allocator_do_junk_fill);
 
 namespace test {
 
+/// Linear(inputs, 8) -> BatchNorm1d(8) -> ReLU -> Linear(8, 3), named fc1, norm, fc2: a model
+/// with a module MixedO2 keeps in fp32, for the tests of loading and of bad inputs.
+struct LinearNormNet : torch::nn::Module {
+  explicit LinearNormNet(std::int64_t inputs) {
+    fc1 = register_module("fc1", torch::nn::Linear(inputs, 8));
+    norm = register_module("norm", torch::nn::BatchNorm1d(8));
+    fc2 = register_module("fc2", torch::nn::Linear(8, 3));
+  }
+  at::Tensor forward(const at::Tensor& x) {
+    return fc2->forward(torch::relu(norm->forward(fc1->forward(x))));
+  }
+  torch::nn::Linear fc1{nullptr}, fc2{nullptr};
+  torch::nn::BatchNorm1d norm{nullptr};
+};
+
 /// While alive, memory LibTorch allocates on the CPU holds NaN until written, every time (not
 /// by the chance of what the allocator hands back): a test that must not read uninitialised
 /// memory as values fails for certain. Checks that the flag takes effect.

@@ -26,17 +26,8 @@ namespace {
 // Debian's python3 (torch 1.13, the system build's Python) has no safetensors.
 constexpr bool kNoSafetensorsPython = TORCH_VERSION_MAJOR < 2;
 
-struct Net : torch::nn::Module {
-  Net() {
-    fc1 = register_module("fc1", torch::nn::Linear(4, 8));
-    norm = register_module("norm", torch::nn::BatchNorm1d(8));
-    fc2 = register_module("fc2", torch::nn::Linear(8, 3));
-  }
-  at::Tensor forward(const at::Tensor& x) {
-    return fc2->forward(torch::relu(norm->forward(fc1->forward(x))));
-  }
-  torch::nn::Linear fc1{nullptr}, fc2{nullptr};
-  torch::nn::BatchNorm1d norm{nullptr};
+struct Net : test::LinearNormNet {
+  Net() : LinearNormNet(4) {}
 };
 
 // tests/io/weights.py's Tied: the output layer is the embedding's weight, registered as

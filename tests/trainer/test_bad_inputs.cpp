@@ -42,17 +42,8 @@ void restore_rng(const at::Tensor& state) {
   generator.set_state(state);
 }
 
-struct Net : torch::nn::Module {
-  Net() {
-    fc1 = register_module("fc1", torch::nn::Linear(6, 8));
-    norm = register_module("norm", torch::nn::BatchNorm1d(8));
-    fc2 = register_module("fc2", torch::nn::Linear(8, 3));
-  }
-  at::Tensor forward(const at::Tensor& x) {
-    return fc2->forward(torch::relu(norm->forward(fc1->forward(x))));
-  }
-  torch::nn::Linear fc1{nullptr}, fc2{nullptr};
-  torch::nn::BatchNorm1d norm{nullptr};
+struct Net : test::LinearNormNet {
+  Net() : LinearNormNet(6) {}
 };
 
 // A MixedO2 run with a dynamic scale, two steps in: masters, Adam state, BatchNorm statistics

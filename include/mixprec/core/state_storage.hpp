@@ -76,37 +76,33 @@ struct JoinedName {
   static constexpr std::string_view value{text.data(), size};
 };
 
+// The members every storage declares: what stays of the masters, the moments' dtype between
+// steps, and its name in policy names ("RemainderMasters<BFloat16>").
+template <MasterStorage Masters, class Moments, const std::string_view& Name>
+struct StorageTag {
+  static constexpr MasterStorage masters = Masters;
+  static constexpr c10::ScalarType moment_dtype = MomentsOf<Moments>::dtype;
+  static constexpr std::string_view name = JoinedName<Name, MomentsOf<Moments>::suffix>::value;
+};
 
 }  // namespace detail
 
 /// fp32 master weights (MixedO2's default).
 template <class Moments = float>
-struct Fp32Masters {
-  static constexpr MasterStorage masters = MasterStorage::fp32;
-  static constexpr c10::ScalarType moment_dtype = detail::MomentsOf<Moments>::dtype;
-  static constexpr std::string_view name =
-      detail::JoinedName<detail::StorageNames::fp32, detail::MomentsOf<Moments>::suffix>::value;
-};
+struct Fp32Masters
+    : detail::StorageTag<MasterStorage::fp32, Moments, detail::StorageNames::fp32> {};
 
 /// The fp32 master as the bf16 weight plus a 16-bit remainder (MixedO2<BFloat16> only).
 template <class Moments = float>
-struct RemainderMasters {
-  static constexpr MasterStorage masters = MasterStorage::remainder;
-  static constexpr c10::ScalarType moment_dtype = detail::MomentsOf<Moments>::dtype;
-  static constexpr std::string_view name =
-      detail::JoinedName<detail::StorageNames::remainder, detail::MomentsOf<Moments>::suffix>::value;
-};
+struct RemainderMasters
+    : detail::StorageTag<MasterStorage::remainder, Moments, detail::StorageNames::remainder> {};
 
 /// No masters; the step's result rounded stochastically into the bf16 weight (PureHalf<BFloat16>).
 /// Its moments are bf16 by default, as PureHalf's are (the optimizer's state is made like the
 /// Low weight): 2 + 2 + 4 bytes per parameter with AdamW.
 template <class Moments = at::BFloat16>
-struct StochasticRounding {
-  static constexpr MasterStorage masters = MasterStorage::stochastic;
-  static constexpr c10::ScalarType moment_dtype = detail::MomentsOf<Moments>::dtype;
-  static constexpr std::string_view name =
-      detail::JoinedName<detail::StorageNames::stochastic, detail::MomentsOf<Moments>::suffix>::value;
-};
+struct StochasticRounding
+    : detail::StorageTag<MasterStorage::stochastic, Moments, detail::StorageNames::stochastic> {};
 
 /// No masters; the optimizer steps the Low weight, rounded to nearest (PureHalf's default).
 struct RoundToNearest {
