@@ -7,9 +7,11 @@ GradScaler); branch_fp32 and branch_bf16 train the two-headed model of `branch()
 head b is used on even steps only, with AdamW (a parameter without a gradient is skipped);
 ddp_fp32 and ddp_bf16 train with DistributedDataParallel on Gloo ranks (`ddp()`), and OUTPUT is
 then a prefix: OUTPUT.rankR.txt for each rank R; zero_adamw does the same with DDP and
-ZeroRedundancyOptimizer(AdamW), each step's line starting with the rank's loss. INPUT is a torch::pickle_save dict from the C++ side: the initial weights
-(param.NAME), the data (x, y) and the hyperparameters (steps, batch, lr, momentum, and for fp16
-init_scale, growth_interval). Mode schedule trains with learning-rate schedules (`schedule()`);
+ZeroRedundancyOptimizer(AdamW), each step's line starting with the rank's loss; fsdp2_fp32 and
+fsdp2_bf16 write the same lines for zero_adamw's model sharded by PyTorch's FSDP2 (`fsdp2()`).
+INPUT is a torch::pickle_save dict from the C++ side: the initial weights (param.NAME), the data
+(x, y) and the hyperparameters (steps, batch, lr, momentum, and for fp16 init_scale,
+growth_interval). Mode schedule trains with learning-rate schedules (`schedule()`);
 sr_adamw with torchao's stochastically rounding AdamW (`sr_adamw()`).
 OUTPUT gets one line per step: "loss scale skipped", the loss as
 repr() of the fp32 value, the scale the step used, and 1 when the step was skipped.
@@ -160,6 +162,71 @@ def ddp(mode, data, prefix):
                                     nprocs=int(data["world"]), join=True)
 
 
+def fsdp2_rank(rank, mode, data, prefix, store):
+    """One rank of fsdp2(): zero_adamw's model (Linear, ReLU, Linear) under PyTorch's FSDP2, each
+    Linear a unit and the root over them, AdamW on the sharded fp32 parameters (FSDP2's masters);
+    fsdp2_bf16 gathers them as bf16 and reduce-scatters the gradients in fp32. One line per step
+    (the rank's loss, then every parameter's full value) and one per evaluation output."""
+    torch.set_num_threads(1)
+    world = int(data["world"])
+    dist.init_process_group("gloo", init_method="file://" + store, rank=rank, world_size=world)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4))
+    model.load_state_dict({k[len("param."):]: v for k, v in data.items() if k.startswith("param.")})
+    kwargs = {"mesh": init_device_mesh("cpu", (world,))}
+    if mode == "fsdp2_bf16":
+        # cast_forward_inputs: the root casts x to bf16, as the C++ side's cast_input does (an
+        # fp32 x into the bf16 weights is refused: "mat1 and mat2 must have the same dtype").
+        # output_dtype None: the output stays bf16 and the loss upcasts it (out.float()), as
+        # zero_adamw and the C++ side do; float32 there gives the same lines.
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                                   reduce_dtype=torch.float32, output_dtype=None,
+                                                   cast_forward_inputs=True)
+    for unit in (model[0], model[2]):
+        fully_shard(unit, **kwargs)
+    fully_shard(model, **kwargs)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=float(data["lr"]),
+                                  weight_decay=float(data["weight_decay"]), foreach=False)
+    micro = int(data["micro_batches"])
+    with open(f"{prefix}.rank{rank}.txt", "w") as out:
+        for step in range(int(data["steps"])):
+            optimizer.zero_grad(set_to_none=True)
+            losses = 0.0
+            for j in range(micro):
+                # FSDP2 reduce-scatters after every micro-batch (FSDP2's default, kept) and adds
+                # the fp32 shard into the gradient: sum over j of avg over ranks of (g / micro),
+                # where DDP sums a rank's micro-batches first and then averages over ranks: a
+                # different order, the same value up to rounding. Gloo's AVG sums the ranks'
+                # values (the shard's owner last, as seen for 2 and 3 ranks), then divides.
+                loss = model(data[f"x.{rank}.{step}.{j}"]).float().pow(2).mean()
+                (loss / micro).backward()
+                losses += loss.item() / micro
+            optimizer.step()
+            # full_tensor() is a collective: every rank gathers every parameter, in order.
+            full = [p.full_tensor() for p in model.parameters()]
+            write_line(out, [torch.tensor([losses], dtype=torch.float64)] + full)
+        model.eval()
+        with torch.no_grad():
+            for _ in range(2):
+                write_line(out, [model(data["x.eval"])])
+    dist.destroy_process_group()
+
+
+def fsdp2(mode, data, prefix):
+    if mode not in ("fsdp2_fp32", "fsdp2_bf16"):
+        sys.exit(f"parity.py: unknown mode {mode}; the FSDP2 modes are fsdp2_fp32 and fsdp2_bf16")
+    # By version, not by import: importing torch.distributed.fsdp fails outright on Debian's 1.13
+    # under Python 3.11.
+    if tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 6):
+        sys.exit(f"parity.py {mode}: needs torch.distributed.fsdp.fully_shard (torch 2.6 or "
+                 f"newer); this Python has torch {torch.__version__}")
+    with tempfile.TemporaryDirectory() as tmp:
+        torch.multiprocessing.spawn(fsdp2_rank,
+                                    args=(mode, data, prefix, os.path.join(tmp, "store")),
+                                    nprocs=int(data["world"]), join=True)
+
+
 def schedule(data, output_path):
     """The learning-rate schedules of Python's AMP loop, for the Trainer's lr_scheduler and
     lr_lambda: SGD over two param groups, two micro-batches per optimizer step (each loss / 2),
@@ -236,6 +303,8 @@ def main(mode, input_path, output_path):
         return branch(mode, data, output_path)
     if mode.startswith("ddp") or mode.startswith("zero"):
         return ddp(mode, data, output_path)
+    if mode.startswith("fsdp2"):
+        return fsdp2(mode, data, output_path)
     model = build_model()
     model.load_state_dict({k[len("param."):]: v for k, v in data.items() if k.startswith("param.")})
     x, y = data["x"], data["y"]
