@@ -55,6 +55,10 @@ inline constexpr bool mixed_dtype_norms = TORCH_VERSION_MAJOR >= 2;
 
 /// True where the Gloo backend reduces bf16 tensors (LibTorch 2.x; 1.13's cannot).
 inline constexpr bool gloo_reduces_bf16 = TORCH_VERSION_MAJOR >= 2;
+/// True where the Gloo backend has a reduce-scatter into a flat slice (`_reduce_scatter_base`,
+/// LibTorch 2.x; built on its allreduce, so it saves memory, not bandwidth). 1.13's has none:
+/// sharded gradients are allreduced there and each rank keeps its slice of the sum.
+inline constexpr bool gloo_reduce_scatters = TORCH_VERSION_MAJOR >= 2;
 /// True where LibTorch has the float8 dtypes (e4m3fn, e5m2) and an at::_scaled_mm that returns
 /// one tensor (LibTorch >= 2.5): what MixedFP8 (fp8.hpp) needs.
 inline constexpr bool has_fp8 = MIXPREC_TORCH_AT_LEAST(2, 5);

@@ -35,6 +35,7 @@ struct Slot {
   at::Tensor piece = {};
   std::int64_t piece_from = 0;
   bool copy = false;
+  bool unit = false;  // its bytes are released between uses (a ZeRO-3 unit's)
   std::size_t group = 0;
   std::size_t index = 0;
 };

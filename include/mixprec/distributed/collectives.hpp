@@ -3,7 +3,7 @@
 // blocking collectives every other room uses (all_gather, allreduce, broadcast), each failure
 // an Error that names the rank and the operation, 16-bit floats sent as bytes. A value type:
 // the gradient hooks keep a copy, since they can outlive the DataParallel that set them.
-// The reduce-scatter and the all_gather into a flat buffer that ZeRO-2/3 need join them here.
+// Also the launch of a reduce-scatter (sharded gradients), which the caller waits for.
 
 #include <mixprec/distributed/options.hpp>
 #include <mixprec/io/checkpoint_file.hpp>  // message_of
@@ -78,6 +78,22 @@ class Collectives {
     options.reduceOp = op;
     std::vector<at::Tensor> tensors{tensor};
     run_collective(rank_, what, [&] { return group_->allreduce(tensors, options); });
+  }
+
+  /// Whether the backend reduce-scatters into a slice (compat.hpp: 1.13's Gloo cannot).
+  bool reduce_scatters() const {
+    return gloo_reduce_scatters || group_->getBackendName() != "gloo";
+  }
+
+  /// Launches the sum over the ranks of `flat` (world_size equal slices) into `slice`, this
+  /// rank's; where the backend cannot (reduce_scatters()), the sum into `flat` itself, whose
+  /// slice the caller keeps. The caller waits (run_collective).
+  c10::intrusive_ptr<c10d::Work> launch_reduce_scatter(at::Tensor& flat, at::Tensor& slice) const {
+    if (!reduce_scatters()) {
+      std::vector<at::Tensor> tensors{flat};
+      return group_->allreduce(tensors);
+    }
+    return group_->_reduce_scatter_base(slice, flat, c10d::ReduceScatterOptions());
   }
 
   /// Rank 0's `flat` (one tensor: Gloo broadcasts one per call) on every rank, bit for bit.

@@ -15,8 +15,9 @@
 /// that does the job. options.hpp (the settings and their checks), collectives.hpp (the process
 /// group), agreement.hpp (what the ranks agree on), buffers.hpp (rank 0's buffers to all),
 /// bucket_layout.hpp (where each tensor sits in the buckets and slices), gradient_reducer.hpp
-/// (the hooks and the bucket collectives), sharded_optimizer.hpp (ZeRO-1) and
-/// sharded_checkpoint.hpp (its consolidated state).
+/// (the hooks and the bucket collectives; reducer_state.hpp, ZeRO-2's slices),
+/// sharded_optimizer.hpp (ZeRO-1), sharded_units.hpp (ZeRO-3) and sharded_checkpoint.hpp
+/// (their consolidated state).
 
 #include <mixprec/distributed/options.hpp>
 #include <mixprec/distributed/agreement.hpp>
@@ -25,6 +26,7 @@
 #include <mixprec/distributed/gradient_reducer.hpp>
 #include <mixprec/distributed/sharded_checkpoint.hpp>
 #include <mixprec/distributed/sharded_optimizer.hpp>
+#include <mixprec/distributed/sharded_units.hpp>
 #include <mixprec/distributed/step_group.hpp>
 
 #include <ATen/ATen.h>
@@ -60,7 +62,9 @@ class DataParallel final : public detail::StepGroup {
       : options_(detail::checked(std::move(options), optimizer)),
         comm_(options_.process_group(), device_of(model)),
         reducer_(comm_, options_),
-        shards_(comm_, reducer_) {
+        shards_(comm_, reducer_),
+        units_(shards_),
+        plan_(detail::plan_units(model, options_.shard_parameters())) {
     check_same_model(model);
     broadcast_from_rank0(model, /*parameters=*/true);
   }
@@ -99,10 +103,23 @@ class DataParallel final : public detail::StepGroup {
   /// Sharded: lays out the optimizer's tensors listed in `fresh` in buckets sliced across the
   /// ranks, and replaces each of them in the optimizer by this rank's piece of it
   /// (ShardedOptimizer::shard). Collective; bind() hooks the gradients next.
+  /// ZeRO-3: the units' tensors in buckets of their own, whose pieces are fp32 copies, and
+  /// their weights released until a unit runs.
   void shard(torch::optim::Optimizer& optimizer,
              const std::vector<std::pair<at::Tensor, at::Tensor>>& fresh, bool copies) override {
-    shards_.shard(optimizer, fresh, copies);
+    if (!shards_parameters()) {
+      shards_.shard(optimizer, fresh, copies);
+      return;
+    }
+    MIXPREC_CHECK(units_.empty(), "DistributedOptions::shard_parameters: the units are laid "
+                  "out once, when the Trainer is built; a later param group cannot join them");
+    const auto ranges = shards_.shard(optimizer, fresh, copies, &plan_.unit_of, plan_.paths.size());
+    units_.take(plan_, ranges);
   }
+
+  bool shards_parameters() const noexcept override { return !options_.shard_parameters().empty(); }
+  void gather_units() override { units_.gather_all(); }
+  void release_units() override { units_.release_all(); }
 
   /// Sharded, after a micro-batch whose gradients did not travel: they are added into the
   /// buckets (fp32), and the model's gradients set to none.
@@ -146,6 +163,8 @@ class DataParallel final : public detail::StepGroup {
   /// process.
   void finish() override { reducer_.finish(); }
 
+  std::vector<at::Tensor> buffers() const override { return reducer_.buffers(); }
+
   /// MAX-reduces a one-element inf flag, so that every rank steps or skips alike.
   void agree(at::Tensor& found_inf) { detail::agree(comm_, found_inf); }
 
@@ -187,6 +206,8 @@ class DataParallel final : public detail::StepGroup {
   detail::Collectives comm_;
   detail::GradientReducer reducer_;
   detail::ShardedOptimizer shards_;
+  detail::ShardedUnits units_;  // after shards_: its destructor reads the layout
+  detail::UnitPlan plan_;
 };
 
 namespace detail {

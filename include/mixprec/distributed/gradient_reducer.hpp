@@ -1,19 +1,17 @@
 #pragma once
-// Owns the gradients' way through a step: the flat buffer of each bucket the layout describes, a
-// post-hook on each parameter's gradient accumulator that copies the gradient into its bucket
-// as soon as autograd has it, each full bucket's allreduce launched while the backward pass
-// still runs (in bucket order on every rank), and finish(): the averages into the holders'
-// gradients, or, with sliced buckets, this rank's part of them into its pieces' gradients.
-// Sliced, the micro-batches whose gradients do not travel accumulate in the buckets.
-//
-// ZeRO-2 changes launch_ready and finish only: a bucket reduce-scatters into this rank's slice
-// (the layout's slice_of says where each piece's part lands), and its full-size buffer lives
-// from its first fill to its launch, the accumulation across micro-batches in the slices.
+// Owns the gradients' way through a step: a post-hook on each parameter's gradient accumulator
+// that copies the gradient into its bucket as soon as autograd has it (reducer_state.hpp launches
+// each full bucket's collective while the backward pass still runs, in bucket order on every
+// rank), and finish(): the averages into the holders' gradients, or, with sliced buckets, this
+// rank's part of them into its pieces' gradients. Sliced, the micro-batches whose gradients do
+// not travel accumulate in the buckets. Sharded gradients (ZeRO-2) reduce-scatter each bucket
+// into this rank's slice, and the pieces' gradients are views of the slices.
 
 #include <mixprec/distributed/agreement.hpp>
 #include <mixprec/distributed/bucket_layout.hpp>
 #include <mixprec/distributed/collectives.hpp>
 #include <mixprec/distributed/options.hpp>
+#include <mixprec/distributed/reducer_state.hpp>
 #include <mixprec/core/error.hpp>
 
 #include <ATen/ATen.h>
@@ -33,105 +31,12 @@
 
 namespace mixprec::detail {
 
-/// What happened to a slot in this step.
-struct SlotStep {
-  bool ready = false;        // its gradient is in its bucket
-  bool accumulated = false;  // sliced: earlier micro-batches of the step left their sum there
-};
-
-/// A bucket's buffer and its collective in this step.
-struct BucketStep {
-  at::Tensor flat;  // the last bucket's also carries, per slot, whether the rank has a gradient
-  std::size_t pending = 0;  // slots not ready
-  c10::intrusive_ptr<c10d::Work> work;
-};
-
-// What the hooks reach; they hold it weakly, so a hook outliving its reducer (the model kept
-// after the Trainer) does nothing.
-struct ReducerState {
-  ReducerState(Collectives group, c10::ScalarType dtype, bool sliced)
-      : comm(std::move(group)), reduce_dtype(dtype), sharded(sliced) {}
-
-  std::mutex mutex;
-  BucketLayout layout;
-  std::vector<SlotStep> slot_steps;      // one per layout slot
-  std::vector<BucketStep> bucket_steps;  // one per layout bucket
-  Collectives comm;
-  c10::ScalarType reduce_dtype;
-  bool sharded;
-  std::size_t next = 0;  // the first bucket not launched: buckets launch in order on every rank
-  bool active = false;
-  bool twice = false;  // a gradient arrived again after its slot was copied
-  bool overlap = true;
-
-  at::Tensor view(std::size_t i) {
-    const auto& slot = layout.slots()[i];
-    return bucket_steps[slot.bucket].flat.narrow(0, slot.offset, slot.param.numel());
-  }
-  bool has_gradient(std::size_t i) const {
-    const auto& slot = layout.slots()[i];
-    return slot.param.grad().defined() || slot_steps[i].accumulated ||
-           (!slot.holder.is_same(slot.param) && slot.holder.grad().defined());
-  }
-  // The slot's gradient (the holder's accumulated one plus the parameter's) into its bucket.
-  void fill(std::size_t i) {
-    const auto& slot = layout.slots()[i];
-    const auto& grad = slot.param.grad();
-    const auto& held = slot.holder.is_same(slot.param) ? at::Tensor() : slot.holder.grad();
-    MIXPREC_CHECK(!(grad.defined() && grad.is_sparse()) && !(held.defined() && held.is_sparse()),
-                  "DataParallel reduces dense gradients: a tensor of shape ", slot.param.sizes(),
-                  " has a sparse one (an Embedding with sparse(true)); use sparse(false)");
-    auto target = view(i);
-    if (sharded) {  // the micro-batches before this one are in the bucket already
-      const bool accumulated = slot_steps[i].accumulated;
-      if (grad.defined()) {
-        accumulated ? target.add_(grad.reshape({-1})) : target.copy_(grad.reshape({-1}));
-      } else if (!accumulated) {
-        target.zero_();
-      }
-      return;
-    }
-    if (!grad.defined() && !held.defined()) {
-      target.zero_();
-      return;
-    }
-    const auto value = !held.defined() ? grad : (grad.defined() ? held + grad : held);
-    // A 16-bit sum of N ranks' values could overflow: divide first, in the gradient's own
-    // precision, so that the value rounds to 16 bits once.
-    target.copy_((reduce_dtype == at::kFloat ? value : value / comm.world_size()).reshape({-1}));
-  }
-  void launch_ready(bool include_last) {
-    const auto n = bucket_steps.size();
-    while (next < n && bucket_steps[next].pending == 0 && (include_last || next + 1 < n)) {
-      std::vector<at::Tensor> tensors{bucket_steps[next].flat};
-      try {
-        bucket_steps[next].work = comm.group().allreduce(tensors);
-      } catch (const std::exception& e) {
-        fail("rank ", comm.rank(), ": launching the allreduce of gradient bucket ", next,
-             " failed: ", message_of(e));
-      }
-      ++next;
-    }
-  }
-  void ready(std::size_t i) {
-    std::lock_guard<std::mutex> lock(mutex);
-    if (!active) return;
-    if (slot_steps[i].ready) {
-      twice = true;
-      return;
-    }
-    fill(i);
-    slot_steps[i].ready = true;
-    // The last bucket waits for finish(), which adds the per-slot gradient flags to it.
-    if (--bucket_steps[layout.slots()[i].bucket].pending == 0 && overlap) launch_ready(false);
-  }
-};
-
 class GradientReducer {
  public:
   GradientReducer(const Collectives& comm, const DistributedOptions& options)
-      : state_(std::make_shared<ReducerState>(comm, options.reduce_dtype(),
-                                              options.shard_optimizer_state())),
+      : state_(std::make_shared<ReducerState>(
+            comm, options.reduce_dtype(),
+            options.shard_optimizer_state() || options.shard_gradients(), options.shard_gradients())),
         caps_{options.first_bucket_cap_mb() * 1024.0 * 1024.0,
               options.bucket_cap_mb() * 1024.0 * 1024.0, at::elementSize(options.reduce_dtype())},
         overlap_(options.overlap()) {}
@@ -194,17 +99,36 @@ class GradientReducer {
     return range;
   }
 
-  /// Every bucket's buffer anew (zeros), after the layout grew or its buckets were sliced.
+  /// Every bucket's buffer anew (zeros), after the layout grew or its buckets were sliced;
+  /// sharded gradients: every bucket's slice, the full-size buffers made when they fill.
   void allocate_flats(const at::TensorOptions& options) {
     auto& s = *state_;
     const auto& slots = s.layout.slots();
     const auto& buckets = s.layout.buckets();
     s.slot_steps.resize(slots.size());
     s.bucket_steps.resize(buckets.size());
+    s.flat_options = options;
     for (std::size_t b = 0; b < buckets.size(); ++b) {
+      if (s.shard_grads) {
+        s.bucket_steps[b].flat = at::Tensor();
+        s.bucket_steps[b].slice = at::zeros({buckets[b].chunk}, options);
+        continue;
+      }
       const auto extra = b + 1 == buckets.size() ? static_cast<std::int64_t>(slots.size()) : 0;
       s.bucket_steps[b].flat = at::zeros({buckets[b].padded + extra}, options);
     }
+    if (s.shard_grads) s.used = at::zeros({static_cast<std::int64_t>(slots.size())}, options);
+  }
+
+  /// The buffers held now: full-size buckets, slices, the flags of sharded gradients.
+  std::vector<at::Tensor> buffers() const {
+    std::lock_guard<std::mutex> lock(state_->mutex);
+    std::vector<at::Tensor> result{state_->used};
+    for (const auto& step : state_->bucket_steps) {
+      result.push_back(step.flat);
+      result.push_back(step.slice);
+    }
+    return result;
   }
 
   /// Removes the hooks: gradients no longer travel until the next bind().
@@ -226,9 +150,13 @@ class GradientReducer {
     }
     s.active = sync && !s.layout.slots().empty();
     s.next = 0;
+    s.drained = 0;
     s.twice = false;
     s.overlap = overlap_;
-    for (auto& step : s.slot_steps) step.ready = false;
+    for (auto& step : s.slot_steps) {
+      step.ready = false;
+      step.had = false;
+    }
     for (std::size_t b = 0; b < s.bucket_steps.size(); ++b) {
       s.bucket_steps[b].pending = s.layout.buckets()[b].slots.size();
       s.bucket_steps[b].work.reset();
@@ -258,17 +186,23 @@ class GradientReducer {
         --s.bucket_steps[slots[i].bucket].pending;
       }
     }
-    auto used = s.bucket_steps.back().flat.narrow(0, buckets.back().padded,
-                                                  static_cast<std::int64_t>(slots.size()));
     std::vector<float> local_used(slots.size());
     for (std::size_t i = 0; i < slots.size(); ++i) {
       local_used[i] = s.has_gradient(i) ? 1.0F : 0.0F;
       all_local = all_local && local_used[i] != 0.0F;
     }
+    // The flags ride at the end of the last bucket, or (sharded gradients) on their own.
+    auto used = s.shard_grads ? s.used
+                              : s.bucket_steps.back().flat.narrow(
+                                    0, buckets.back().padded, static_cast<std::int64_t>(slots.size()));
     used.copy_(at::from_blob(local_used.data(), {static_cast<std::int64_t>(local_used.size())},
                              at::kFloat));
     s.launch_ready(/*include_last=*/true);
-    for (std::size_t b = 0; b < buckets.size(); ++b) {
+    if (s.shard_grads) {
+      s.comm.allreduce_(used, c10d::ReduceOp::SUM, "gradient flags allreduce");
+      s.drain(buckets.size());
+    }
+    for (std::size_t b = 0; b < buckets.size() && !s.shard_grads; ++b) {
       auto& step = s.bucket_steps[b];
       run_collective(s.comm.rank(), "gradient allreduce", [&] { return step.work; });
       step.work.reset();
@@ -285,6 +219,7 @@ class GradientReducer {
     for (std::size_t i = 0; i < slots.size(); ++i) {
       auto& slot = slots[i];
       s.slot_steps[i].accumulated = false;
+      if (slot.unit) release_storage(slot.param);  // one that had no gradient
       if (s.sharded) {
         // This rank's slice of the average is its piece's gradient; a tensor no rank had a
         // gradient for has none, and the optimizer skips it.
@@ -293,7 +228,10 @@ class GradientReducer {
           slot.piece.mutable_grad().reset();
           continue;
         }
-        auto value = s.view(i).narrow(0, slot.piece_from, slot.piece.numel());
+        auto value = s.shard_grads
+                         ? s.bucket_steps[slot.bucket].slice.narrow(
+                               0, s.layout.in_slice(i, s.comm.rank()), slot.piece.numel())
+                         : s.view(i).narrow(0, slot.piece_from, slot.piece.numel());
         slot.piece.mutable_grad() = slot.piece.scalar_type() == value.scalar_type()
                                         ? value
                                         : value.to(slot.piece.scalar_type());
@@ -329,6 +267,7 @@ class GradientReducer {
       s.fill(i);
       s.slot_steps[i].accumulated = true;
       slots[i].param.mutable_grad().reset();
+      if (slots[i].unit) release_storage(slots[i].param);
     }
   }
 

@@ -13,7 +13,9 @@
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/optim/optimizer.h>
 
+#include <string>
 #include <utility>
+#include <vector>
 
 namespace mixprec {
 
@@ -47,6 +49,24 @@ struct DistributedOptions {
   /// gathered to every rank. Under MixedO2 + AdamW that is 12/world_size bytes per parameter
   /// instead of 12. Adam, AdamW and SGD (docs/distributed.md); gradients reduce in fp32.
   TORCH_ARG(bool, shard_optimizer_state) = false;
+  /// ZeRO stage 2 (DeepSpeed's stage 2): shard_optimizer_state, and each bucket of gradients is
+  /// reduce-scattered while the backward pass runs, so that each rank keeps only its slice of
+  /// the averaged gradients (fp32, 4/world_size bytes per parameter); a full-size bucket lives
+  /// from its first gradient to its reduce-scatter (at most two in flight), and a model
+  /// gradient from autograd's accumulation to its copy into the bucket. Micro-batches whose
+  /// gradients do not travel (accumulation) add into full-size buckets until the last one.
+  /// LibTorch 1.13's Gloo has no reduce-scatter: an allreduce, then the slice is kept.
+  TORCH_ARG(bool, shard_gradients) = false;
+  /// ZeRO stage 3, in FSDP's manner: shard_gradients, and the parameters of each module these
+  /// patterns name (a unit; named_modules() paths, `*` within a name, `**` across dots:
+  /// {"encoder.layer.*"}) live sharded: each rank keeps its fp32 pieces, and the unit's
+  /// weights are gathered in the model's dtype just before its forward, released after it,
+  /// gathered again before its backward and released once their gradients are taken. A unit
+  /// must be declared as mixprec::nn::Checkpointed<M> or mixprec::nn::Mappable<M> (LibTorch
+  /// modules have no forward hooks). Parameters outside every unit, and frozen ones, stay
+  /// whole on every rank. Every rank must run the same forward passes (each gather is a
+  /// collective), evaluate() included. Empty (the default): off.
+  TORCH_ARG(std::vector<std::string>, shard_parameters) = {};
 };
 
 namespace detail {
@@ -56,6 +76,8 @@ namespace detail {
 inline DistributedOptions checked(DistributedOptions options,
                                   const torch::optim::Optimizer* optimizer) {
   MIXPREC_CHECK(options.process_group(), "DistributedOptions got a null process group");
+  if (!options.shard_parameters().empty()) options.shard_gradients(true);  // ZeRO-3 includes 2,
+  if (options.shard_gradients()) options.shard_optimizer_state(true);       // which includes 1
   if (options.shard_optimizer_state()) {
     MIXPREC_CHECK(options.reduce_dtype() == at::kFloat, "DistributedOptions::"
                   "shard_optimizer_state reduces gradients in fp32 (each rank keeps its slice "

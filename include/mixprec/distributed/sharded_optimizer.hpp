@@ -25,6 +25,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <tuple>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -45,8 +46,15 @@ class ShardedOptimizer {
   /// weight) where `copies` and the tensor is not fp32, a view of it otherwise; a tensor with no
   /// element in this rank's slices leaves the optimizer. Every other tensor the optimizer holds
   /// must be a piece already. Collective; the reducer's bind() hooks the gradients next.
-  void shard(torch::optim::Optimizer& optimizer,
-             const std::vector<std::pair<at::Tensor, at::Tensor>>& fresh, bool copies) {
+  /// `unit_of` (ZeRO-3): the unit of each tensor that is in one, of `unit_count`; returns each
+  /// unit's buckets, its tensors' pieces are always copies.
+  std::vector<BucketRange> shard(torch::optim::Optimizer& optimizer,
+                                 const std::vector<std::pair<at::Tensor, at::Tensor>>& fresh,
+                                 bool copies,
+                                 const std::unordered_map<const void*, std::size_t>* unit_of = nullptr,
+                                 std::size_t unit_count = 0) {
+    static const std::unordered_map<const void*, std::size_t> no_units;
+    const auto& in_unit = unit_of != nullptr ? *unit_of : no_units;
     auto& layout = reducer_.layout();
     MIXPREC_CHECK(reducer_.sharded(), "DataParallel::shard() needs DistributedOptions::shard_optimizer_state");
     check_shardable(optimizer);
@@ -91,31 +99,40 @@ class ShardedOptimizer {
     reducer_.unbind();
     optimizer_ = &optimizer;
     groups_.resize(order.size());
-    std::vector<at::Tensor> params, holders;
-    std::vector<std::pair<std::size_t, std::size_t>> places;
+    // Each unit's tensors in buckets of their own (the last unit's first: its gradients come
+    // first), then the others; each in the optimizer's order.
+    const auto units = in_unit.empty() ? std::size_t{0} : unit_count;
+    std::vector<std::vector<at::Tensor>> by_unit(units + 1);
+    std::unordered_map<const void*, std::pair<std::size_t, std::size_t>> places;
     for (std::size_t g = 0; g < order.size(); ++g) {
       for (const auto i : order[g]) {
-        params.push_back(fresh[i].first);
-        holders.push_back(fresh[i].first);
-        places.emplace_back(g, groups_[g].size());
-        groups_[g].push_back(fresh[i].first);
+        const auto& t = fresh[i].first;
+        const auto found = in_unit.find(t.unsafeGetTensorImpl());
+        by_unit[found != in_unit.end() ? found->second : units].push_back(t);
+        places.emplace(t.unsafeGetTensorImpl(), std::make_pair(g, groups_[g].size()));
+        groups_[g].push_back(t);
       }
     }
-    const auto first_slot = layout.slots().size();
-    const auto range = reducer_.lay_out(params, holders);
-    layout.slice(range, comm_.world_size());
+    const auto first_bucket = layout.buckets().size();
+    std::vector<BucketRange> ranges(units);
+    for (std::size_t k = units + 1; k-- > 0;) {
+      const auto range = reducer_.lay_out(by_unit[k], by_unit[k]);
+      layout.slice(range, comm_.world_size());
+      if (k < units) ranges[k] = range;
+    }
     at::NoGradGuard no_grad;
-    for (auto b = range.first; b < range.last; ++b) {
+    for (auto b = first_bucket; b < layout.buckets().size(); ++b) {
       for (const auto i : layout.buckets()[b].slots) {
         auto& slot = layout.slots()[i];
-        const auto k = params.size() - 1 - (i - first_slot);  // lay_out went backwards
-        slot.group = places[k].first;
-        slot.index = places[k].second;
+        std::tie(slot.group, slot.index) = places.at(slot.param.unsafeGetTensorImpl());
+        slot.unit = in_unit.count(slot.param.unsafeGetTensorImpl()) == 1;
         const auto [from, to] = layout.slice_of(i, comm_.rank());
         if (from >= to) continue;
         slot.piece_from = from;
-        const auto& value = fresh[fresh_index.at(slot.param.unsafeGetTensorImpl())].second;
-        slot.copy = copies && slot.param.scalar_type() != at::kFloat;
+        const auto& fp32 = fresh[fresh_index.at(slot.param.unsafeGetTensorImpl())].second;
+        // A unit's weights are released between uses: its pieces are the only copy.
+        slot.copy = slot.unit || (copies && slot.param.scalar_type() != at::kFloat);
+        const auto& value = fp32.defined() ? fp32 : slot.param;
         slot.piece = slot.copy ? value.detach().to(at::kFloat).reshape({-1}).narrow(0, from, to - from).clone()
                                : slot.param.detach().view({-1}).narrow(0, from, to - from);
         piece_slot_[slot.piece.unsafeGetTensorImpl()] = i;
@@ -135,11 +152,13 @@ class ShardedOptimizer {
       }
       optimizer.param_groups()[g].params() = std::move(pieces);
     }
+    return ranges;
   }
 
   /// After an optimizer step: every rank's updated pieces, rounded to the model's dtype, into
   /// every rank's model (one all_gather per bucket, in the model's dtype where the bucket holds
   /// one).
+  /// A unit's (ZeRO-3) are gathered when it next runs.
   void gather_parameters() {
     if (!reducer_.sharded()) return;
     at::NoGradGuard no_grad;
@@ -185,6 +204,7 @@ class ShardedOptimizer {
     const auto& layout = reducer_.layout();
     for (auto b = range.first; b < range.last; ++b) {
       const auto& bucket = layout.buckets()[b];
+      if (layout.slots()[bucket.slots.front()].unit) continue;
       const auto full = gather_slices(bucket, layout.common_dtype(bucket),
                                       [](const Slot& slot) { return slot.piece; });
       for (const auto i : bucket.slots) {

@@ -56,6 +56,8 @@ class StepGroup {
   virtual std::vector<at::Tensor> all_gather(const at::Tensor& value) = 0;
   /// Rank 0's buffers (and, with `parameters`, its parameters) on every rank.
   virtual void broadcast_from_rank0(torch::nn::Module& model, bool parameters) = 0;
+  /// The gradient buffers it holds now (buckets, slices), for Trainer::state_bytes().
+  virtual std::vector<at::Tensor> buffers() const = 0;
 
   // Sharded optimizer state (DistributedOptions::shard_optimizer_state); the defaults are
   // those of a group that does not shard.
@@ -81,6 +83,13 @@ class StepGroup {
   /// `full` (an optimizer like the user's over full tensors, one per sharded_groups() entry)
   /// gets every rank's optimizer state and the param groups' options. Collective.
   virtual void gather_state(torch::optim::Optimizer& /*full*/) {}
+  /// ZeRO-3 (DistributedOptions::shard_parameters): whether units' weights are released
+  /// between uses.
+  virtual bool shards_parameters() const noexcept { return false; }
+  /// ZeRO-3: every unit's weights whole on this rank (a checkpoint reads or writes the model),
+  /// and released again. Collective.
+  virtual void gather_units() {}
+  virtual void release_units() {}
   /// The inverse, after `full` was loaded: this rank's pieces get their slices of `full`'s
   /// tensors (where they are copies) and state, the optimizer `full`'s options.
   virtual void scatter_state(torch::optim::Optimizer& /*full*/) {}

@@ -8,6 +8,7 @@
 #include <mixprec/core/model_claim.hpp>
 #include <mixprec/core/tensor_set.hpp>
 #include <mixprec/core/error.hpp>
+#include <mixprec/nn/unit_hooks.hpp>
 
 #include <c10/core/TensorImpl.h>
 #include <c10/core/UndefinedTensorImpl.h>
@@ -29,9 +30,9 @@
 
 namespace mixprec::detail {
 
-/// The base of mixprec::nn::Mappable (precision_map.hpp): the module it wraps, and the region
-/// apply_precision_map gave it.
-class MappableBase {
+/// The base of mixprec::nn::Mappable (precision_map.hpp): the module it wraps, the region
+/// apply_precision_map gave it, and the hooks of a sharded unit (nn/unit_hooks.hpp).
+class MappableBase : public HookedModule {
  public:
   struct Region {
     bool active = false;       // its precision differs from its parent's

@@ -179,8 +179,10 @@ class MappableImpl : public torch::nn::Module, public mixprec::detail::MappableB
   /// (a Linear, a norm layer, a convolution, a block of the user's), so that it also fits in a
   /// torch::nn::Sequential.
   at::Tensor forward(const at::Tensor& input) {
-    return mixprec::detail::forward_in_region(
-        region_, input, [this](const at::Tensor& x) { return inner_->forward(x); });
+    return run_hooked(input, [this](const at::Tensor& in) {
+      return mixprec::detail::forward_in_region(
+          region_, in, [this](const at::Tensor& x) { return inner_->forward(x); });
+    });
   }
 
   const torch::nn::Module& wrapped() const override { return *inner_; }

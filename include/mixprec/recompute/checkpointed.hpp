@@ -76,6 +76,15 @@ template <class Derived, class Impl>
 class CheckpointedForward<Derived, Impl, true> : public MappableBase {
  public:
   at::Tensor forward(const at::Tensor& input) {
+    return run_hooked(input, [this](const at::Tensor& in) { return checkpointed_forward(in); });
+  }
+
+  const torch::nn::Module& wrapped() const override {
+    return unwrapped(*static_cast<const Derived&>(*this).inner());
+  }
+
+ private:
+  at::Tensor checkpointed_forward(const at::Tensor& input) {
     auto& self = static_cast<Derived&>(*this);
     const auto inner = self.inner().ptr();  // shared: the recompute may outlive this call
     if (!self.checkpointing()) {
@@ -87,10 +96,6 @@ class CheckpointedForward<Derived, Impl, true> : public MappableBase {
       return forward_in_region(region, x, [&](const at::Tensor& y) { return inner->forward(y); });
     };
     return checkpoint_block(buffers_of(*inner), std::move(compute), input);
-  }
-
-  const torch::nn::Module& wrapped() const override {
-    return unwrapped(*static_cast<const Derived&>(*this).inner());
   }
 };
 

@@ -8,6 +8,7 @@
 
 #include <mixprec/core/error.hpp>
 #include <mixprec/core/policy.hpp>
+#include <mixprec/distributed/step_group.hpp>
 #include <mixprec/fp8/layers.hpp>
 #include <mixprec/io/checkpoint_file.hpp>
 #include <mixprec/trainer/fp32_export.hpp>
@@ -40,6 +41,22 @@ class Trainer;
 
 namespace detail {
 
+// ZeRO-3: the units' weights whole while a checkpoint reads or writes the model (collective).
+class WholeUnits {
+ public:
+  explicit WholeUnits(StepGroup* group) : group_(group) {
+    if (group_ != nullptr) group_->gather_units();
+  }
+  ~WholeUnits() {
+    if (group_ != nullptr) group_->release_units();
+  }
+  WholeUnits(const WholeUnits&) = delete;
+  WholeUnits& operator=(const WholeUnits&) = delete;
+
+ private:
+  StepGroup* group_;
+};
+
 template <class P>
 class TrainerCheckpoints {
  public:
@@ -55,6 +72,7 @@ class TrainerCheckpoints {
   /// masters of all ranks first (for the time of the save, the memory of an unsharded run).
   void save(const std::string& path, const UserValues& user = {}) const {
     check_saveable(user);
+    const WholeUnits whole(self().data_parallel_.get());
     const auto rngs = gather_rngs(self().data_parallel_.get());
     const auto view = consolidated(/*values=*/true, /*state=*/true);
     write_on_rank0(self().data_parallel_.get(), path, [&] {
@@ -84,6 +102,7 @@ class TrainerCheckpoints {
   /// calls it, and every rank's archive holds all ranks' RNG states.
   void save(torch::serialize::OutputArchive& archive, const UserValues& user = {}) const {
     check_saveable(user);
+    const WholeUnits whole(self().data_parallel_.get());
     const auto rngs = gather_rngs(self().data_parallel_.get());
     const auto view = consolidated(/*values=*/true, /*state=*/true);
     try {
@@ -107,6 +126,7 @@ class TrainerCheckpoints {
   /// ones in fp32). What an fp32 model for inference or another framework takes.
   /// Sharded: gathered from every rank's masters; collective (every rank calls it).
   torch::OrderedDict<std::string, at::Tensor> fp32_state_dict() const {
+    const WholeUnits whole(self().data_parallel_.get());
     const auto view = consolidated(/*values=*/true, /*state=*/false);
     return detail::fp32_state_dict(*self().model_, masters_of(view));
   }
@@ -136,6 +156,7 @@ class TrainerCheckpoints {
   /// Sharded: collective, as fp32_state_dict().
   void save_fp32(const std::string& path, WeightsFormat format = WeightsFormat::libtorch) const {
     self().check_not_busy("save_fp32");
+    const WholeUnits whole(self().data_parallel_.get());
     const auto view = consolidated(/*values=*/true, /*state=*/false);
     detail::save_fp32(path, format, *self().model_, masters_of(view));
   }
@@ -222,6 +243,7 @@ class TrainerCheckpoints {
     auto& t = self();
     t.check_not_busy("load");
     t.adopt_optimizer_changes();
+    const WholeUnits whole(t.data_parallel_.get());
     return voted_load(t.data_parallel_.get(), source, [&](auto& commit) {
       return checked_or_error(source, [&] { return load_checked_with(commit); });
     });

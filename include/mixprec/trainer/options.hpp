@@ -172,7 +172,8 @@ class BasicTrainerOptions {
   /// compiles without c10d's headers (a template only for that reason).
   template <std::same_as<DistributedOptions> D>
   BasicTrainerOptions& distributed(D value) {
-    settings_.shard_optimizer_state = value.shard_optimizer_state();
+    settings_.shard_optimizer_state = value.shard_optimizer_state() || value.shard_gradients() ||
+                                     !value.shard_parameters().empty();
     settings_.distributed = std::make_shared<const D>(std::move(value));
     settings_.make_step_group = &detail::StepGroupFactory<D>::make;
     return *this;

@@ -3,6 +3,7 @@
 // tensors themselves (numel x element size of each distinct storage, not an allocator's
 // statistics), by kind: what a lean storage (core/state_storage.hpp) saves is read here.
 
+#include <mixprec/distributed/step_group.hpp>
 #include <mixprec/optim/master_weights.hpp>
 
 #include <ATen/ATen.h>
@@ -24,8 +25,10 @@ namespace mixprec {
 /// fp32 parameter itself).
 struct TrainingStateBytes {
   std::int64_t weights = 0;    ///< the model's parameters
-  std::int64_t gradients = 0;  ///< gradients held now: the model's and the masters'
-  std::int64_t masters = 0;    ///< fp32 masters, or what a lean storage keeps of them
+  /// Gradients held now: the model's, the masters', data parallel's buckets and slices.
+  std::int64_t gradients = 0;
+  /// fp32 masters (sharded: this rank's pieces), or what a lean storage keeps of them.
+  std::int64_t masters = 0;
   std::int64_t optimizer = 0;  ///< the optimizer's state (moments, momentum buffers, sums)
   /// Whether the optimizer's state was counted: Adam, AdamW, SGD, RMSprop and Adagrad are.
   bool optimizer_known = true;
@@ -72,12 +75,25 @@ inline std::int64_t optimizer_state_bytes(const torch::optim::Optimizer& optimiz
 }
 
 inline TrainingStateBytes state_bytes(const torch::nn::Module& model, const MasterWeights* masters,
-                                      const torch::optim::Optimizer& optimizer) {
+                                      const torch::optim::Optimizer& optimizer,
+                                      const StepGroup* group = nullptr) {
   TrainingStateBytes bytes;
   StorageCounter count;
   for (const auto& p : model.parameters()) {
     bytes.weights += count.add(p);
     bytes.gradients += count.add(p.grad());
+  }
+  if (group != nullptr) {
+    // Sharded: the optimizer's tensors that are not the model's are this rank's masters (a
+    // piece that is a view of an fp32 parameter was counted with the weights); the pieces'
+    // gradients are views of the buffers.
+    for (const auto& t : group->buffers()) bytes.gradients += count.add(t);
+    for (const auto& g : optimizer.param_groups()) {
+      for (const auto& p : g.params()) {
+        bytes.masters += count.add(p);
+        bytes.gradients += count.add(p.grad());
+      }
+    }
   }
   if (masters != nullptr) {
     for (const auto& m : masters->masters()) {

@@ -148,6 +148,11 @@ class TrainedTensors {
         if (ids.count(p.unsafeGetTensorImpl()) == 1) fresh.push_back(p);
       }
       check_fp32(fresh);
+      MIXPREC_CHECK(fresh.empty() || !shards_->shards_parameters(), "a param group was added to "
+                    "the optimizer after the Trainer was built, with DistributedOptions::"
+                    "shard_parameters, whose units are laid out once: put every parameter in "
+                    "the optimizer before building the Trainer (freeze with requires_grad(false) "
+                    "what is to be unfrozen later); nothing was changed");
       auto claim = ModelClaim::acquire(params, P::name, claim_.get());
       auto device_types = autocast_device_types(params);
       claim_ = std::move(claim);

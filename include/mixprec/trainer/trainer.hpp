@@ -175,7 +175,7 @@ class Trainer : public detail::TrainerCheckpoints<P> {
   /// The bytes of training state held now (weights, gradients, masters, optimizer state),
   /// summed from the tensors: between steps, what a lean storage saves.
   TrainingStateBytes state_bytes() const {
-    return detail::state_bytes(*model_, tensors_.masters(), *optimizer_);
+    return detail::state_bytes(*model_, tensors_.masters(), *optimizer_, data_parallel_.get());
   }
 
   TrainerStats stats() const {

@@ -1,0 +1,47 @@
+#pragma once
+// What runs around the forward of a wrapper module (mixprec::nn::Mappable, Checkpointed): LibTorch
+// modules have no hooks of their own, so the wrappers that a model declares are where sharded
+// parameters (DistributedOptions::shard_parameters) are gathered before a unit's forward,
+// released after it, and gathered again before its backward. Nothing is set by default: a
+// wrapper without hooks computes as its module.
+
+#include <ATen/ATen.h>
+
+#include <memory>
+#include <utility>
+
+namespace mixprec::detail {
+
+/// What a sharded unit does around its forward.
+class UnitHooks {
+ public:
+  virtual ~UnitHooks() = default;
+  /// Before the forward: the unit's parameters whole on this rank.
+  virtual void before_forward() = 0;
+  /// After it: the parameters released, and the output (returned, perhaps an alias) arranged
+  /// so that they are whole again before its backward runs.
+  virtual at::Tensor after_forward(const at::Tensor& output) = 0;
+};
+
+/// The base of the wrappers that run UnitHooks.
+class HookedModule {
+ public:
+  virtual ~HookedModule() = default;
+  void set_unit_hooks(std::shared_ptr<UnitHooks> hooks) noexcept { hooks_ = std::move(hooks); }
+  bool has_unit_hooks() const noexcept { return hooks_ != nullptr; }
+
+ protected:
+  /// compute(input), within the hooks when there are any.
+  template <class Compute>
+  at::Tensor run_hooked(const at::Tensor& input, Compute&& compute) const {
+    if (!hooks_) return compute(input);
+    const auto hooks = hooks_;  // alive through the call, whatever the forward does
+    hooks->before_forward();
+    return hooks->after_forward(compute(input));
+  }
+
+ private:
+  std::shared_ptr<UnitHooks> hooks_;
+};
+
+}  // namespace mixprec::detail
