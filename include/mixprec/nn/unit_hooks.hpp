@@ -23,7 +23,8 @@ class UnitHooks {
   virtual at::Tensor after_forward(const at::Tensor& output) = 0;
 };
 
-/// The base of the wrappers that run UnitHooks.
+/// The base of the wrappers that run UnitHooks (a virtual base: Checkpointed<M> with a forward
+/// of one tensor is a Mappable too).
 class HookedModule {
  public:
   virtual ~HookedModule() = default;
@@ -31,13 +32,13 @@ class HookedModule {
   bool has_unit_hooks() const noexcept { return hooks_ != nullptr; }
 
  protected:
-  /// compute(input), within the hooks when there are any.
+  /// compute(), within the hooks when there are any.
   template <class Compute>
-  at::Tensor run_hooked(const at::Tensor& input, Compute&& compute) const {
-    if (!hooks_) return compute(input);
+  at::Tensor run_hooked(Compute&& compute) const {
+    if (!hooks_) return compute();
     const auto hooks = hooks_;  // alive through the call, whatever the forward does
     hooks->before_forward();
-    return hooks->after_forward(compute(input));
+    return hooks->after_forward(compute());
   }
 
  private:

@@ -32,7 +32,7 @@ namespace mixprec::detail {
 
 /// The base of mixprec::nn::Mappable (precision_map.hpp): the module it wraps, the region
 /// apply_precision_map gave it, and the hooks of a sharded unit (nn/unit_hooks.hpp).
-class MappableBase : public HookedModule {
+class MappableBase : public virtual HookedModule {
  public:
   struct Region {
     bool active = false;       // its precision differs from its parent's

@@ -179,9 +179,9 @@ class MappableImpl : public torch::nn::Module, public mixprec::detail::MappableB
   /// (a Linear, a norm layer, a convolution, a block of the user's), so that it also fits in a
   /// torch::nn::Sequential.
   at::Tensor forward(const at::Tensor& input) {
-    return run_hooked(input, [this](const at::Tensor& in) {
+    return run_hooked([&] {
       return mixprec::detail::forward_in_region(
-          region_, in, [this](const at::Tensor& x) { return inner_->forward(x); });
+          region_, input, [this](const at::Tensor& x) { return inner_->forward(x); });
     });
   }
 

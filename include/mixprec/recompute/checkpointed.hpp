@@ -39,9 +39,9 @@ namespace mixprec {
 namespace detail {
 
 /// The base of every mixprec::nn::Checkpointed: whether its forward is checkpointed.
-class CheckpointedBase {
+class CheckpointedBase : public virtual HookedModule {
  public:
-  virtual ~CheckpointedBase() = default;
+  ~CheckpointedBase() override = default;
   /// Whether its forward keeps no activations (set by apply_checkpointing).
   bool checkpointing() const noexcept { return checkpointing_; }
   void set_checkpointing(bool on) noexcept { checkpointing_ = on; }
@@ -76,7 +76,7 @@ template <class Derived, class Impl>
 class CheckpointedForward<Derived, Impl, true> : public MappableBase {
  public:
   at::Tensor forward(const at::Tensor& input) {
-    return run_hooked(input, [this](const at::Tensor& in) { return checkpointed_forward(in); });
+    return run_hooked([&] { return checkpointed_forward(input); });
   }
 
   const torch::nn::Module& wrapped() const override {
@@ -139,6 +139,28 @@ class CheckpointedImpl
   /// of its activations kept for backward, its buffers updated once. Capture by value in f.
   template <class F, class... Args>
   auto run(F&& f, Args&&... args) {
+    using Result = decltype(f(*inner_, std::forward<Args>(args)...));
+    if constexpr (std::is_same_v<Result, at::Tensor>) {
+      // A sharded unit's weights whole around it (nn/unit_hooks.hpp).
+      return run_hooked([&] { return run_block(std::forward<F>(f), std::forward<Args>(args)...); });
+    } else {
+      MIXPREC_CHECK(!has_unit_hooks(), "mixprec::nn::Checkpointed<", inner_->name(), ">::run(): "
+                    "a unit of DistributedOptions::shard_parameters must return one tensor, "
+                    "after which its weights are released; return the others from another "
+                    "module, or keep this one out of the unit patterns");
+      return run_block(std::forward<F>(f), std::forward<Args>(args)...);
+    }
+  }
+
+  /// Train or eval mode for the wrapper and M (which is not one of its children).
+  void train(bool on = true) override {
+    torch::nn::Module::train(on);
+    inner_->train(on);
+  }
+
+ private:
+  template <class F, class... Args>
+  auto run_block(F&& f, Args&&... args) {
     if (!checkpointing()) return f(*inner_, std::forward<Args>(args)...);
     auto block = [inner = inner_.ptr(), f = std::decay_t<F>(std::forward<F>(f))](auto&&... a) mutable {
       return f(*inner, a...);
@@ -147,11 +169,7 @@ class CheckpointedImpl
                                              std::forward<Args>(args)...);
   }
 
-  /// Train or eval mode for the wrapper and M (which is not one of its children).
-  void train(bool on = true) override {
-    torch::nn::Module::train(on);
-    inner_->train(on);
-  }
+ public:
 
   /// The wrapped module.
   M& inner() noexcept { return inner_; }
