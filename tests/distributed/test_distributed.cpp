@@ -1504,6 +1504,90 @@ void case_zero3_equivalence(Rank& r) {
   zero3_equivalence<mp::MixedO2<at::BFloat16>>(r, 1, 0.5, 1e-6, /*checkpointing=*/true);
 }
 
+// Checkpoints of sharded parameters: `zero3_save` (3 ranks) saves after step 3 and goes on to
+// step 6; `zero3_resume` loads it at any world size and trains steps 3..5 on the same global
+// batches, `zero3_resume_unsharded` as unsharded data parallel. Each writes its final fp32
+// weights and counters (rank 0); the units' weights are released, so these are the values.
+void zero3_train(Rank& r, int stage, int from, const std::string& load,
+                 const std::string& save_at_3, const std::string& out,
+                 const std::string& resave = "") {
+  auto net = dyadic_unit_net(3000 + r.rank);
+  torch::optim::AdamW optimizer(net->parameters(), torch::optim::AdamWOptions(1.0 / 32).weight_decay(0.0625));
+  auto distributed = zero_options(r, std::min(stage, 2));
+  if (stage == 3) distributed.shard_parameters(kUnits);
+  mp::Trainer<ZeroPolicy> trainer(net, optimizer, mp::TrainerOptions().max_grad_norm(0.5).distributed(distributed));
+  if (!load.empty()) trainer.load(load);
+  RANK_EXPECT(trainer.stats().steps == from, "resumed at " << trainer.stats().steps);
+  if (!resave.empty()) trainer.save(resave);
+  const auto data = batches(kZeroSteps, kZeroRows, /*inf_step=*/4);
+  const auto rows = kZeroRows / r.world;
+  for (int k = from; k < kZeroSteps; ++k) {
+    const auto x = data[static_cast<std::size_t>(k)].x.narrow(0, r.rank * rows, rows);
+    const auto y = data[static_cast<std::size_t>(k)].y.narrow(0, r.rank * rows, rows);
+    trainer.step([&] { return (net->forward(trainer.cast_input(x)).to(torch::kFloat) - y).pow(2).mean(); });
+    if (k + 1 == 3 && !save_at_3.empty()) trainer.save(save_at_3);
+  }
+  auto values = values_of(trainer.fp32_state_dict());
+  const auto stats = trainer.stats();
+  values.push_back(torch::tensor({stats.steps, stats.skipped_steps}));
+  RANK_EXPECT(same_on_every_rank(r, values), "ranks differ");
+  if (r.rank == 0) torch::save(values, out);
+}
+
+void case_zero3_save(Rank& r) {
+  const auto root = std::filesystem::path(r.dir).parent_path();
+  zero3_train(r, 3, 0, "", (root / "units3.ckpt").string(), (root / "uninterrupted.pt").string());
+}
+void case_zero3_resume(Rank& r) {
+  const auto root = std::filesystem::path(r.dir).parent_path();
+  const auto world = std::to_string(r.world);
+  zero3_train(r, 3, 3, (root / "units3.ckpt").string(), "", (root / ("resumed_x" + world + ".pt")).string(),
+              (root / ("resaved_x" + world + ".ckpt")).string());
+}
+void case_zero3_resume_unsharded(Rank& r) {
+  const auto root = std::filesystem::path(r.dir).parent_path();
+  zero3_train(r, 0, 3, (root / "units3.ckpt").string(), "",
+              (root / ("unsharded_x" + std::to_string(r.world) + ".pt")).string());
+}
+
+// Rank world-1 dies before its step 3; the others throw mixprec::Error from the first gather of
+// that step, and the pieces and AdamW's state are those after step 2.
+void case_zero3_kill(Rank& r) {
+  auto net = dyadic_unit_net(1);
+  torch::optim::AdamW optimizer(net->parameters(), torch::optim::AdamWOptions(1.0 / 32));
+  auto distributed = zero_options(r, 2).shard_parameters(kUnits);
+  mp::Trainer<ZeroPolicy> trainer(net, optimizer, mp::TrainerOptions().distributed(distributed));
+  auto gen = at::detail::createCPUGenerator(5);
+  std::vector<torch::Tensor> pieces, moments;
+  const auto capture = [&](std::vector<torch::Tensor>& p, std::vector<torch::Tensor>& m, bool copy) {
+    p.clear();
+    m.clear();
+    for (const auto& t : optimizer.param_groups()[0].params()) {
+      p.push_back(copy ? t.detach().clone() : t.detach());
+      if (auto* s = mp::detail::state_of(optimizer, t)) {
+        const auto& v = static_cast<torch::optim::AdamWParamState&>(*s).exp_avg_sq();
+        m.push_back(copy ? v.clone() : v);
+      }
+    }
+  };
+  try {
+    for (int k = 0; k < 100; ++k) {
+      if (k == 3 && r.rank == r.world - 1) std::raise(SIGKILL);
+      capture(pieces, moments, true);
+      const auto x = dyadic({4, 8}, gen), y = dyadic({4, 4}, gen);
+      trainer.step([&] { return (net->forward(trainer.cast_input(x)).to(torch::kFloat) - y).pow(2).mean(); });
+    }
+    RANK_EXPECT(false, "no Error after a peer died");
+  } catch (const mp::Error& e) {
+    std::cerr << "rank " << r.rank << ": " << e.what() << "\n";
+    RANK_EXPECT(std::string(e.what()).find("across ranks failed") != std::string::npos, e.what());
+    std::vector<torch::Tensor> now, now_moments;
+    capture(now, now_moments, false);
+    RANK_EXPECT(!moments.empty() && identical(now, pieces) && identical(now_moments, moments),
+                "the optimizer's pieces or state changed");
+  }
+}
+
 const std::map<std::string, std::function<void(Rank&)>>& rank_cases() {
   static const std::map<std::string, std::function<void(Rank&)>> cases{
       {"equivalence", [](Rank& x) { case_equivalence(x, 1); }},
@@ -1529,7 +1613,13 @@ const std::map<std::string, std::function<void(Rank&)>>& rank_cases() {
       {"fsdp2_reference_fp32", case_ddp_reference<mp::FullPrecision, true, /*fsdp=*/true>},
       {"fsdp2_reference_bf16", case_ddp_reference<mp::MixedO2<at::BFloat16>, true, /*fsdp=*/true>},
       {"zero_equivalence", case_zero_equivalence},
-      {"zero_netns", case_zero_equivalence},  // tests/netns_test.sh, one rank per namespace
+      // tests/netns_test.sh, one rank per namespace: ZeRO-3 (through ZeRO-2's reduce-scatter
+      // and ZeRO-1's pieces), and ZeRO-1 alone.
+      {"zero_netns",
+       [](Rank& r) {
+         case_zero3_equivalence(r);
+         zero_equivalence<mp::MixedO2<at::BFloat16>>(r, Opt::adamw, 2, 0.5, 1.0 / 128);
+       }},
       {"zero_memory", case_zero_memory},
       {"zero_kill", case_zero_kill<1>},
       {"zero2_kill", case_zero_kill<2>},
@@ -1540,6 +1630,10 @@ const std::map<std::string, std::function<void(Rank&)>>& rank_cases() {
       {"zero_resume_unsharded", case_zero_resume_unsharded},
       {"zero_checkpoint_errors", case_zero_checkpoint_errors},
       {"zero3_equivalence", case_zero3_equivalence},
+      {"zero3_save", case_zero3_save},
+      {"zero3_kill", case_zero3_kill},
+      {"zero3_resume", case_zero3_resume},
+      {"zero3_resume_unsharded", case_zero3_resume_unsharded},
   };
   return cases;
 }
@@ -1945,6 +2039,67 @@ TEST_CASE("distributed, sharded: a checkpoint one rank cannot read, or of anothe
   require_all_passed(run_ranks("zero_checkpoint_errors", 2));
 }
 
+TEST_CASE("distributed, sharded parameters: a checkpoint saved on 3 ranks resumes on 3, 2 and 1, and unsharded") {
+  const auto root = fresh_dir("zero3_checkpoints");
+  const auto run = [&](const std::string& name, int world) {
+    INFO(name, " on ", world, " ranks");
+    require_all_passed(run_ranks(name, world, std::chrono::seconds(240),
+                                 root / (name + "_x" + std::to_string(world))));
+  };
+  const auto values = [&](const std::string& file) {
+    std::vector<torch::Tensor> result;
+    torch::load(result, (root / file).string());
+    return result;
+  };
+  // What a checkpoint holds, read by one unsharded process: the parameters, the masters,
+  // AdamW's state tensor by tensor, the counters.
+  const auto contents = [&](const std::string& file) {
+    auto net = dyadic_unit_net(7);
+    torch::optim::AdamW optimizer(net->parameters(), torch::optim::AdamWOptions(1.0 / 32));
+    mp::Trainer<ZeroPolicy> trainer(net, optimizer);
+    trainer.load((root / file).string());
+    auto result = snapshot(net->parameters());
+    for (const auto& m : trainer.master_weights()) result.push_back(m.clone());
+    for (const auto& p : optimizer.param_groups()[0].params()) {
+      if (auto* state = mp::detail::state_of(optimizer, p)) {
+        auto& adamw = static_cast<torch::optim::AdamWParamState&>(*state);
+        result.push_back(adamw.exp_avg().clone());
+        result.push_back(adamw.exp_avg_sq().clone());
+      }
+    }
+    const auto stats = trainer.stats();
+    result.push_back(torch::tensor({stats.steps, stats.skipped_steps}));
+    return result;
+  };
+  const auto compare = [&](const std::string& resumed, double tolerance) {
+    const auto a = values(resumed), b = values("uninterrupted.pt");
+    REQUIRE(a.size() == b.size());
+    CHECK(torch::equal(a.back(), b.back()));  // steps, of which skipped
+    const std::vector<torch::Tensor> wa(a.begin(), a.end() - 1), wb(b.begin(), b.end() - 1);
+    const double worst = max_relative(wa, wb);
+    MESSAGE(resumed, " vs uninterrupted: max relative difference ", worst, " in the fp32 weights (tolerance ", tolerance, ")");
+    CHECK(worst <= tolerance);
+  };
+  run("zero3_save", 3);
+  const auto original = contents("units3.ckpt");
+  CHECK(original.size() > 20);
+  run("zero3_resume", 3);
+  compare("resumed_x3.pt", 0);
+  // Other world sizes: other slices (saved again at once, the same checkpoint bit for bit) and
+  // other groupings of the sums (AdamW turns 0 against 1e-9 into a step of lr either way).
+  for (const int world : {2, 1}) {
+    run("zero3_resume", world);
+    CHECK(identical(contents("resaved_x" + std::to_string(world) + ".ckpt"), original));
+    compare("resumed_x" + std::to_string(world) + ".pt", 0.05);
+  }
+  run("zero3_resume_unsharded", 2);
+  compare("unsharded_x2.pt", 0.05);
+}
+
+TEST_CASE("distributed, sharded parameters: a rank killed mid-run: the others throw, their pieces and state as before the step") {
+  require_survivors_passed(run_ranks("zero3_kill", 3, std::chrono::seconds(120)));
+}
+
 TEST_CASE("distributed, sharded: checkpoints move between world sizes and between sharded and unsharded runs") {
   const auto root = fresh_dir("zero_checkpoints");
   const auto run = [&](const std::string& name, int world) {
@@ -2143,6 +2298,60 @@ TEST_CASE("distributed: bad DistributedOptions are an Error before the model cha
   auto gen = at::detail::createCPUGenerator(1);
   Batch b{dyadic({4, 8}, gen), dyadic({4, 4}, gen)};
   CHECK(trainer.step([&] { return loss_of(trainer, net, b); }).stepped());
+}
+
+// A module holding a unit: patterns that nest put its parameters in two units.
+struct NestedUnitsImpl : torch::nn::Module {
+  NestedUnitsImpl() {
+    block = register_module("block", mp::nn::Checkpointed<torch::nn::Sequential>(
+                                         mp::nn::Mappable<torch::nn::Linear>(4, 4)));
+  }
+  torch::Tensor forward(const torch::Tensor& x) { return block->forward(x); }
+  mp::nn::Checkpointed<torch::nn::Sequential> block{nullptr};
+};
+TORCH_MODULE(NestedUnits);
+
+TEST_CASE("distributed, sharded parameters: bad units are an Error before the model changes") {
+  auto net = dyadic_unit_net(1);
+  const auto before = snapshot(net->parameters());
+  torch::optim::AdamW optimizer(net->parameters(), torch::optim::AdamWOptions(0.1));
+  const auto options = [](std::vector<std::string> units) {
+    return mp::TrainerOptions().distributed(mp::DistributedOptions(solo_group()).shard_parameters(std::move(units)));
+  };
+  using Trainer = mp::Trainer<mp::MixedO2<at::BFloat16>>;
+  SUBCASE("a pattern that names no module") {
+    CHECK_THROWS_WITH_AS(Trainer(net, optimizer, options({"h*", "head"})),
+                         doctest::Contains("unit pattern 'head' matches no module"), mp::Error);
+  }
+  SUBCASE("a module that is not a mixprec wrapper") {
+    CHECK_THROWS_WITH_AS(Trainer(net, optimizer, options({"in"})),
+                         doctest::Contains("names module 'in' (torch::nn::LinearImpl), which is not declared as mixprec::nn::Checkpointed<M>"),
+                         mp::Error);
+  }
+  SUBCASE("nested units") {
+    NestedUnits nested;
+    torch::optim::AdamW adamw(nested->parameters(), torch::optim::AdamWOptions(0.1));
+    const auto nested_before = snapshot(nested->parameters());
+    CHECK_THROWS_WITH_AS(Trainer(nested, adamw, options({"block", "block.0"})),
+                         doctest::Contains("is in units 'block' and 'block.0'"), mp::Error);
+    CHECK(identical(nested->parameters(), nested_before));
+  }
+  SUBCASE("a param group added after the Trainer was built") {
+    std::vector<torch::Tensor> first;
+    for (auto& p : net->in->parameters()) first.push_back(p);
+    torch::optim::AdamW late(first, torch::optim::AdamWOptions(0.1));
+    Trainer trainer(net, late, options(kUnits));
+    std::vector<torch::Tensor> head;
+    for (auto& p : net->out->parameters()) head.push_back(p);
+    late.add_param_group(torch::optim::OptimizerParamGroup(head));
+    const auto x = torch::ones({2, 8});
+    CHECK_THROWS_WITH_AS(trainer.step([&] { return net->forward(trainer.cast_input(x)).to(torch::kFloat).sum(); }),
+                         doctest::Contains("whose units are laid out once"), mp::Error);
+    // The group still holds the model's tensors: nothing was laid out or replaced by pieces.
+    CHECK(late.param_groups()[1].params()[0].is_same(net->out->inner()->weight));
+    return;
+  }
+  CHECK(identical(net->parameters(), before));
 }
 
 TEST_CASE("distributed, sharded: a late param group with a tensor the optimizer trains already is an Error, nothing changed") {
