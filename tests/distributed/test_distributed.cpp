@@ -1422,12 +1422,15 @@ struct UnitRun {
   bool released = true;                          // the units' weights had no bytes between steps
 };
 
-// `stage` 0 (data parallel) or 3; `checkpointing`: the hidden units drop their activations.
+// `stage` 0 (data parallel) or 3; `checkpointing`: the hidden units drop their activations;
+// `mapped`: a precision map keeps the head unit fp32 (its pieces and gathers in fp32).
 template <class P>
 UnitRun train_units(Rank& r, int stage, int accumulation, std::optional<double> clip,
-                    const std::vector<Batch>& data, std::int64_t per_rank, bool checkpointing) {
+                    const std::vector<Batch>& data, std::int64_t per_rank, bool checkpointing,
+                    bool mapped = false) {
   auto net = dyadic_unit_net(2000 + r.rank);  // rank 0's values reach every rank
   if (checkpointing) mp::apply_checkpointing(net, {"h*"});
+  if (mapped) mp::apply_precision_map<P>(net, mp::PrecisionMap().keep_fp32("out"));
   torch::optim::AdamW optimizer(net->parameters(), torch::optim::AdamWOptions(1.0 / 32).weight_decay(0.0625));
   auto distributed = zero_options(r, std::min(stage, 2));
   if (stage == 3) distributed.shard_parameters(kUnits);
@@ -1459,14 +1462,14 @@ UnitRun train_units(Rank& r, int stage, int accumulation, std::optional<double> 
 
 template <class P>
 void zero3_equivalence(Rank& r, int accumulation, std::optional<double> clip, double tolerance,
-                       bool checkpointing = false) {
+                       bool checkpointing = false, bool mapped = false) {
   const std::int64_t per_rank = 4 * accumulation;
   const auto data = batches(5, per_rank * r.world, /*inf_step=*/3);
-  const auto plain = train_units<P>(r, 0, accumulation, clip, data, per_rank, false);
-  const auto sharded = train_units<P>(r, 3, accumulation, clip, data, per_rank, checkpointing);
+  const auto plain = train_units<P>(r, 0, accumulation, clip, data, per_rank, false, mapped);
+  const auto sharded = train_units<P>(r, 3, accumulation, clip, data, per_rank, checkpointing, mapped);
   const auto name = "ZeRO-3 " + std::string(P::name) + " accumulation " + std::to_string(accumulation) +
                     (clip ? " clip " + std::to_string(*clip) : std::string()) +
-                    (checkpointing ? " checkpointed" : "");
+                    (checkpointing ? " checkpointed" : "") + (mapped ? " head fp32" : "");
   RANK_EXPECT(sharded.statuses == plain.statuses, name);
   RANK_EXPECT(sharded.statuses[3] == mp::StepStatus::skipped, name);
   double worst = 0;
@@ -1502,6 +1505,7 @@ void case_zero3_equivalence(Rank& r) {
   zero3_equivalence<mp::MixedO2<at::BFloat16>>(r, 2, std::nullopt, 1e-6);
   zero3_equivalence<mp::MixedO1<at::BFloat16>>(r, 1, 0.5, 1e-6);
   zero3_equivalence<mp::MixedO2<at::BFloat16>>(r, 1, 0.5, 1e-6, /*checkpointing=*/true);
+  zero3_equivalence<mp::MixedO2<at::BFloat16>>(r, 2, 0.5, 1e-6, false, /*mapped=*/true);
 }
 
 // Checkpoints of sharded parameters: `zero3_save` (3 ranks) saves after step 3 and goes on to
