@@ -1516,7 +1516,10 @@ void zero3_train(Rank& r, int stage, int from, const std::string& load,
                  const std::string& save_at_3, const std::string& out,
                  const std::string& resave = "") {
   auto net = dyadic_unit_net(3000 + r.rank);
-  torch::optim::AdamW optimizer(net->parameters(), torch::optim::AdamWOptions(1.0 / 32).weight_decay(0.0625));
+  // eps 2^-10: a gradient that is rounding noise in one grouping of the sums and 0 in another
+  // (other world sizes) would otherwise move its weight by lr one way or not at all.
+  torch::optim::AdamW optimizer(
+      net->parameters(), torch::optim::AdamWOptions(1.0 / 32).weight_decay(0.0625).eps(1.0 / 1024));
   auto distributed = zero_options(r, std::min(stage, 2));
   if (stage == 3) distributed.shard_parameters(kUnits);
   mp::Trainer<ZeroPolicy> trainer(net, optimizer, mp::TrainerOptions().max_grad_norm(0.5).distributed(distributed));
