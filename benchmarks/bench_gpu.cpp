@@ -413,6 +413,7 @@ int run_size(Size size, c10::Device device, Memory& memory) {
 
 int main(int argc, char** argv) {
   std::string size_name;
+  bool usage = false;
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
     if (arg == "--smoke") {
@@ -420,12 +421,12 @@ int main(int argc, char** argv) {
     } else if (arg == "--size" && i + 1 < argc) {
       size_name = argv[++i];
     } else {
-      size_name = "?";
+      usage = true;
     }
   }
   const bool cuda = torch::cuda::is_available();
   if (size_name.empty()) size_name = cuda ? "device" : "medium";
-  if (size_name != "small" && size_name != "medium" && size_name != "device") {
+  if (usage || (size_name != "small" && size_name != "medium" && size_name != "device")) {
     std::cerr << "usage: " << argv[0] << " [--size small|medium|device] [--smoke]\n"
               << "  device (the default with CUDA): the issue's sizes on the GPU\n";
     return 2;
