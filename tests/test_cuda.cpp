@@ -202,7 +202,7 @@ TEST_SUITE("cuda") {
     CHECK(back_dtype == at::kBFloat16);  // before: fp32, autocast engaged on the CPU only
   }
 
-#ifdef USE_C10D_NCCL
+#ifdef MIXPREC_C10D_NCCL
   // One GPU, one rank: NCCL allows one rank per device, so this checks the device path of the
   // data-parallel Trainer (buckets, agreement, gathers on CUDA tensors), not the averaging.
   TEST_CASE("data parallel over NCCL on CUDA: one rank steps and skips as without a group") {

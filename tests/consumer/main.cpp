@@ -11,8 +11,8 @@
 
 #include <iostream>
 
-#ifndef USE_C10D_GLOO
-#error "mixprec::distributed did not define USE_C10D_GLOO on a machine with Gloo's headers"
+#ifndef MIXPREC_C10D_GLOO
+#error "mixprec::distributed did not define MIXPREC_C10D_GLOO on a machine with Gloo's headers"
 #endif
 
 int main() {

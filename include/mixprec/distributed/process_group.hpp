@@ -1,8 +1,9 @@
 #pragma once
 /// Process groups from a launcher's environment: torchrun's variables (RANK, WORLD_SIZE,
 /// MASTER_ADDR, MASTER_PORT, TORCHELASTIC_USE_AGENT_STORE) or scripts/launch's, which are the
-/// same. Gloo needs its headers (Debian: libgloo-dev) and USE_C10D_GLOO, NCCL a CUDA LibTorch
-/// and USE_C10D_NCCL; the CMake target mixprec::distributed defines what it finds.
+/// same. Gloo needs its headers (Debian: libgloo-dev), NCCL a CUDA LibTorch; the CMake target
+/// mixprec::distributed defines MIXPREC_C10D_GLOO / MIXPREC_C10D_NCCL where it finds them (not
+/// Torch's USE_C10D_*, which the CUDA wheel defines on every program, headers found or not).
 ///
 ///   auto env = mixprec::LaunchEnvironment::from_env();
 ///   auto group = mixprec::gloo_group(env);            // every rank, collectively
@@ -15,10 +16,10 @@
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
-#ifdef USE_C10D_GLOO
+#ifdef MIXPREC_C10D_GLOO
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #endif
-#ifdef USE_C10D_NCCL
+#ifdef MIXPREC_C10D_NCCL
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 #endif
 
@@ -121,7 +122,7 @@ inline void ignore_default_sigpipe() {
 }
 }  // namespace detail
 
-#ifdef USE_C10D_GLOO
+#ifdef MIXPREC_C10D_GLOO
 /// A Gloo process group over `store` (CPU tensors). A peer lost mid-collective is an Error in
 /// the others, not their death by SIGPIPE: SIGPIPE is ignored if its action was the default,
 /// as in Python. Collectives that wait longer than
@@ -156,7 +157,7 @@ inline c10::intrusive_ptr<ProcessGroup> gloo_group(
 }
 #endif
 
-#ifdef USE_C10D_NCCL
+#ifdef MIXPREC_C10D_NCCL
 /// An NCCL process group over `store` (CUDA tensors; one device per rank, usually LOCAL_RANK).
 inline c10::intrusive_ptr<ProcessGroup> nccl_group(
     const c10::intrusive_ptr<c10d::Store>& store, int rank, int world_size,

@@ -34,8 +34,10 @@ struct PolicyIdentity {
 template <class P>
 PolicyIdentity policy_identity() {
   std::string settings;
+  // Appends, not `"..." + std::string&&`: GCC 12 at -O3 sees a false overflow in that.
   const auto add = [&settings](std::string_view key, const std::string& value) {
-    settings += (settings.empty() ? "" : ";") + std::string(key) + "=" + value;
+    if (!settings.empty()) settings += ';';
+    settings.append(key).append("=").append(value);
   };
   const auto flag = [](bool on) { return std::string(on ? "true" : "false"); };
   add("low", c10::toString(P::low_dtype));
