@@ -60,6 +60,12 @@ void with_fp8(Body&& body) {
   if constexpr (mixprec::has_fp8) body(Recipe{});
 }
 
+/// with_fp8 for several recipes at once: body(Recipes{}...) where LibTorch has fp8.
+template <class... Recipes, class Body>
+void with_fp8_recipes(Body&& body) {
+  if constexpr (mixprec::has_fp8) body(Recipes{}...);
+}
+
 /// Whether this build runs under AddressSanitizer (GCC and clang define __SANITIZE_ADDRESS__ or
 /// report the feature): for the few cases that doctest::skip there.
 #if defined(__SANITIZE_ADDRESS__)

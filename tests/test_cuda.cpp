@@ -22,6 +22,32 @@
 
 namespace mp = mixprec;
 
+namespace {
+
+// The fp8 operands of one Trainer<P> step of a Float8Linear(in, 32) on CUDA whose input needs a
+// gradient too. 64 -> 32: every dimension a multiple of 16 (cuBLASLt's _scaled_mm); 20 -> 32:
+// not (the emulated product, on the GPU).
+template <class P>
+mp::Fp8Operands fp8_step_on_cuda(std::int64_t in) {
+  CAPTURE(in);
+  torch::manual_seed(3);
+  auto layer = mp::nn::Float8Linear(in, 32);
+  layer->to(torch::kCUDA);
+  torch::optim::SGD sgd(layer->parameters(), torch::optim::SGDOptions(0.01));
+  mp::Trainer<P> trainer(layer, sgd);
+  layer->keep_operands();
+  const auto x = torch::randn({48, in}, torch::kCUDA).requires_grad_();
+  const auto report = trainer.step([&] {
+    return layer(trainer.cast_input(x)).to(at::kFloat).pow(2).mean();
+  });
+  CHECK(report.stepped());
+  return layer->last_operands();
+}
+
+[[maybe_unused]] mp::Fp8Tensor on_cpu(const mp::Fp8Tensor& t) { return {t.data.cpu(), t.scale.cpu()}; }
+
+}  // namespace
+
 TEST_SUITE("cuda") {
   TEST_CASE("Half policies train end to end on CUDA") {
     SUBCASE("MixedO1<Half>: autocast") { test::trains_end_to_end<mp::MixedO1<at::Half>>(torch::kCUDA); }
@@ -37,36 +63,51 @@ TEST_SUITE("cuda") {
   TEST_CASE("MixedFP8 on CUDA: at::_scaled_mm's products against the emulated ones" *
             doctest::skip(!mp::has_fp8)) {
     test::with_fp8([](auto recipe) {
-      using P = mp::MixedFP8<decltype(recipe)>;
-      // 64 -> 32: every dimension a multiple of 16 (cuBLASLt's _scaled_mm); 20 -> 32: not (the
-      // emulated product, on the GPU).
       for (const std::int64_t in : {64, 20}) {
-        CAPTURE(in);
-        torch::manual_seed(3);
-        auto layer = mp::nn::Float8Linear(in, 32);
-        layer->to(torch::kCUDA);
-        torch::optim::SGD sgd(layer->parameters(), torch::optim::SGDOptions(0.01));
-        mp::Trainer<P> trainer(layer, sgd);
-        layer->keep_operands();
-        const auto x = torch::randn({48, in}, torch::kCUDA);
-        at::Tensor out;
-        const auto report = trainer.step([&] {
-          out = layer(trainer.cast_input(x));
-          return out.to(at::kFloat).pow(2).mean();
-        });
-        CHECK(report.stepped());
+        const auto ops = fp8_step_on_cuda<mp::MixedFP8<decltype(recipe)>>(in);
         // The same fp8 operands through the CPU's emulation.
-        const auto& ops = layer->last_operands();
-        const auto cpu = [](const mp::Fp8Tensor& t) { return mp::Fp8Tensor{t.data.cpu(), t.scale.cpu()}; };
-        const auto emulated = mp::detail::fp8_mm(cpu(ops.input), {cpu(ops.weight).data.t(), ops.weight.scale.cpu()},
+        const auto emulated = mp::detail::fp8_mm(on_cpu(ops.input), on_cpu(mp::detail::transposed(ops.weight)),
                                                  at::kFloat);
-        const auto on_gpu = mp::detail::fp8_mm(ops.input, {ops.weight.data.t(), ops.weight.scale}, at::kFloat).cpu();
+        const auto on_gpu = mp::detail::fp8_mm(ops.input, mp::detail::transposed(ops.weight), at::kFloat).cpu();
         const double diff = (on_gpu.to(at::kDouble) - emulated.to(at::kDouble)).abs().max().template item<double>();
         const double largest = emulated.abs().max().template item<double>();
         MESSAGE("in " << in << ": fp8 product on the GPU vs emulated on the CPU: largest difference "
                 << diff << " of " << largest);
         CHECK(diff <= largest * 1e-5);  // the scales applied after the fp32 sum instead of before
       }
+    });
+  }
+
+  TEST_CASE("MixedFP8's rowwise recipes on CUDA: at::_scaled_mm with rowwise scales against the "
+            "emulated products" * doctest::skip(!mp::has_fp8)) {
+    test::with_fp8_recipes<mp::RowwiseScaling, mp::RowwiseScalingWithGwHp>([](auto... recipes) {
+      const auto run = [](auto recipe) {
+        using P = mp::MixedFP8<decltype(recipe)>;
+        for (const std::int64_t in : {64, 20}) {
+          CAPTURE(P::name);
+          const auto ops = fp8_step_on_cuda<P>(in);
+          // Each product on the GPU against the same fp8 operands through the CPU's emulation:
+          // the scales are powers of 2, so the two differ in the sum's order and width alone.
+          const auto compare = [&](const char* product, const mp::Fp8Tensor& a, const mp::Fp8Tensor& b,
+                                   bool fast_accum) {
+            const auto on_gpu = mp::detail::fp8_mm(a, b, at::kBFloat16, fast_accum).cpu().to(at::kDouble);
+            const auto emulated = mp::detail::fp8_mm(on_cpu(a), on_cpu(b), at::kBFloat16).to(at::kDouble);
+            const double diff = (on_gpu - emulated).abs().max().template item<double>();
+            const double largest = emulated.abs().max().template item<double>();
+            MESSAGE(P::name << ", in " << in << ", " << product << ": on the GPU vs emulated, largest "
+                    "difference " << diff << " of " << largest << " (rowwise _scaled_mm state "
+                    << mp::detail::rowwise_scaled_mm_state(0).load() << ")");
+            CHECK(diff <= largest / 128);  // one bf16 ulp of the largest
+          };
+          compare("output", ops.input, mp::detail::transposed(ops.weight), true);
+          compare("grad_input", ops.grad_output, ops.weight_for_grad_input, false);
+          if (ops.grad_output_for_grad_weight.data.defined()) {
+            compare("grad_weight", mp::detail::transposed(ops.grad_output_for_grad_weight),
+                    ops.input_for_grad_weight, false);
+          }
+        }
+      };
+      (run(recipes), ...);
     });
   }
 

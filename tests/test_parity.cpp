@@ -465,37 +465,73 @@ std::vector<double> train_batches(Model& model, const at::Tensor& x, const at::T
   return losses;
 }
 
-template <class P, class Model>
-void check_torchao_parity(const std::string& kind, const at::Tensor& x, const at::Tensor& y) {
+// tests/parity_fp8.py's fingerprint: sum(x_i * (i % 251 + 1)) over the tensors flattened in
+// order, in fp64, with the same ATen ops.
+double fingerprint(const std::vector<at::Tensor>& tensors) {
+  std::vector<at::Tensor> flat;
+  for (const auto& t : tensors) flat.push_back(t.detach().reshape({-1}).to(at::kDouble));
+  const auto all = torch::cat(flat);
+  const auto index = torch::arange(all.numel(), torch::TensorOptions(at::kDouble));
+  return (all * (torch::remainder(index, 251) + 1)).sum().item<double>();
+}
+
+// torchao's name of a recipe (Float8LinearConfig.from_recipe_name).
+template <class Recipe>
+std::string torchao_recipe() {
+  if constexpr (!Recipe::rowwise) {
+    return "tensorwise";
+  } else if constexpr (Recipe::weight_grad_fp8) {
+    return "rowwise";
+  } else {
+    return "rowwise_with_gw_hp";
+  }
+}
+
+// The casts a layer makes in a step, in the order of Fp8Operands (tests/parity_fp8.py's names).
+const std::vector<std::string>& fp8_cast_names() {
+  static const std::vector<std::string> names{"input", "weight", "grad_output",
+                                              "weight_for_grad_input",
+                                              "grad_output_for_grad_weight",
+                                              "input_for_grad_weight"};
+  return names;
+}
+
+// MixedFP8<Recipe> against torchao's recipe of that name in `python` (parity_fp8.py's output):
+// the fp8 operands of the first step, its outputs and gradients, the loss of every step.
+// `bf16`: the losses of MixedO2<BFloat16> on the same model and data.
+template <class Recipe, class Model>
+void compare_with_torchao(const std::string& kind, const at::Tensor& x, const at::Tensor& y,
+                          const c10::impl::GenericDict& python, const std::vector<double>& bf16,
+                          std::int64_t steps, std::int64_t batch, double lr) {
+  using P = mp::MixedFP8<Recipe>;
+  const auto recipe = torchao_recipe<Recipe>();
+  INFO(kind, ", ", recipe);
+  const auto theirs = [&](const std::string& key) {
+    INFO((recipe + "." + key));
+    REQUIRE(python.contains(recipe + "." + key));
+    return python.at(recipe + "." + key).toTensor();
+  };
   torch::manual_seed(11);
   Model model;
-  torch::set_num_threads(1);  // as the Python side: one reduction order
-  const std::int64_t steps = 120, batch = 32;
-  const double lr = 3e-3;
-  const auto input = test::temp_path("parity_fp8_" + kind + ".pt");
-  const auto output = test::temp_path("parity_fp8_" + kind + ".out.pt");
-  write_python_input(input, *model, x, y, {{"steps", steps}, {"batch", batch}, {"lr", lr}});
-  std::remove(output.c_str());
-  const auto command = std::string(MIXPREC_SYSTEM_PYTHON) + " " + MIXPREC_PARITY_FP8_SCRIPT + " " +
-                       kind + " " + input + " " + output;
-  REQUIRE(std::system(command.c_str()) == 0);
-  std::ifstream in(output, std::ios::binary);
-  const std::vector<char> saved((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  const auto python = torch::pickle_load(saved).toGenericDict();
-  const auto theirs = [&](const std::string& key) {
-    INFO(key);
-    REQUIRE(python.contains(key));
-    return python.at(key).toTensor();
-  };
-
   // mixprec: the head kept in bf16 for the block, as torchao's module_filter_fn does there.
   if (kind == "block") {
     mp::apply_precision_map<P>(model, mp::PrecisionMap().add("head", mp::Precision::low));
   }
   std::vector<std::pair<std::string, mp::nn::Float8LinearImpl*>> layers;
   double first_diff = 0;
+  std::int64_t operands = 0;
+  std::vector<double> weights, gradients;  // each step's fingerprints, as parity_fp8.py's
   const auto ours = train_batches<P>(model, x, y, steps, batch, lr, [&](std::int64_t step, const at::Tensor& logits,
                                                                               const std::map<std::string, at::Tensor>& grads) {
+    if (step >= 0) {
+      std::vector<at::Tensor> params, grad_list;
+      for (const auto& item : model->named_parameters()) {
+        params.push_back(item.value());
+        grad_list.push_back(grads.at(item.key()));
+      }
+      weights.push_back(fingerprint(params));
+      gradients.push_back(fingerprint(grad_list));
+    }
     if (step == -1) {
       for (const auto& item : model->named_modules("", false)) {
         auto* layer = item.value()->template as<mp::nn::Float8LinearImpl>();
@@ -506,20 +542,37 @@ void check_torchao_parity(const std::string& kind, const at::Tensor& x, const at
       }
       REQUIRE(layers.size() == (kind == "block" ? 6U : 3U));
     } else if (step == 0) {
-      // The fp8 operands: the same scales and bytes.
-      std::int64_t operands = 0;
+      // The fp8 operands: the same scales (shapes too) and bytes, for each cast torchao made.
+      // Tensorwise scaling casts each operand once and reuses it; torchao casts it again for
+      // the backward products, the same bytes.
       for (const auto& [name, layer] : layers) {
         const auto& ops = layer->last_operands();
-        for (const auto& [role, t] : {std::pair<std::string, const mp::Fp8Tensor*>{"input", &ops.input},
-                                      {"weight", &ops.weight}, {"grad_output", &ops.grad_output}}) {
-          const auto key = "ops." + name + "." + role;
+        const std::vector<const mp::Fp8Tensor*> cast{&ops.input, &ops.weight, &ops.grad_output,
+                                                     &ops.weight_for_grad_input,
+                                                     &ops.grad_output_for_grad_weight,
+                                                     &ops.input_for_grad_weight};
+        const std::vector<const mp::Fp8Tensor*> reused{nullptr, nullptr, nullptr, &ops.weight,
+                                                       &ops.grad_output, &ops.input};
+        for (std::size_t i = 0; i < cast.size(); ++i) {
+          const auto key = "ops." + name + "." + fp8_cast_names()[i];
           INFO(key);
-          CHECK(t->scale.template item<float>() == theirs(key + ".scale").template item<float>());
+          const auto* t = cast[i]->data.defined() ? cast[i] : Recipe::rowwise ? nullptr : reused[i];
+          if (t == nullptr && i >= 4 && !Recipe::weight_grad_fp8) {
+            // grad_weight in bf16: neither side casts for it.
+            CHECK_FALSE(python.contains(recipe + "." + key + ".scale"));
+            continue;
+          }
+          if (t == nullptr) {
+            // grad_input of the MLP's first layer, whose input needs no gradient: torchao
+            // computes it anyway, mixprec does not (the rowwise recipes cast for it alone).
+            CHECK((kind == "mlp" && name == "fc1" && (i == 2 || i == 3)));
+            continue;
+          }
+          CHECK(t->scale.equal(theirs(key + ".scale")));
           CHECK(test::bytes_of(t->data).equal(theirs(key + ".bytes").reshape({-1})));
           ++operands;
         }
       }
-      MESSAGE(kind, ": the first step's ", operands, " fp8 operands compared (scales and bytes)");
       // Outputs and gradients of the first step.
       const auto diff = [&](const at::Tensor& a, const at::Tensor& b) {
         return (a.to(at::kDouble) - b.to(at::kDouble)).abs().max().template item<double>();
@@ -530,33 +583,74 @@ void check_torchao_parity(const std::string& kind, const at::Tensor& x, const at
       }
     }
   });
+  double loss_diff = 0, fp8_effect = 0;
+  std::int64_t identical_steps = 0;  // from the first, the steps whose losses are bitwise equal
+  // The steps that both sides began from the same bf16 weights (the first, and each after a
+  // step that left them equal): each must give the same loss and gradients, bit for bit.
+  std::int64_t same_start = 0, same_result = 0;
+  const auto their_weights = theirs("weights"), their_gradients = theirs("grads");
+  for (std::int64_t step = 0; step < steps; ++step) {
+    const auto s = static_cast<std::size_t>(step);
+    const double python_loss = theirs("losses")[step].template item<double>();
+    if (ours[s] == python_loss && identical_steps == step) identical_steps = step + 1;
+    if (step == 0 || weights[s - 1] == their_weights[step - 1].template item<double>()) {
+      ++same_start;
+      same_result += ours[s] == python_loss &&
+                     gradients[s] == their_gradients[step].template item<double>() ? 1 : 0;
+    }
+    loss_diff = std::max(loss_diff, std::abs(ours[s] - python_loss));
+    fp8_effect = std::max(fp8_effect, std::abs(bf16[s] - python_loss));
+  }
+  const double first = theirs("losses")[0].template item<double>();
+  const double last = theirs("losses")[steps - 1].template item<double>();
+  MESSAGE(kind, ", ", P::name, " vs torchao's ", recipe, ", ", steps, " steps: the first step's ",
+          operands, " fp8 operands compared (scales and bytes), its outputs and gradients largest "
+          "difference ", first_diff, "; ", same_start, " steps began from the same bf16 weights, ",
+          same_result, " of them gave the same loss and gradients; losses identical for the "
+          "first ", identical_steps, " steps, largest loss difference ", loss_diff, " (loss ",
+          first, " -> ", last, "); torchao vs MixedO2<BFloat16>: ", fp8_effect);
+  const auto casts = static_cast<std::int64_t>(layers.size()) * (Recipe::weight_grad_fp8 ? 6 : 4);
+  CHECK(operands == casts - (Recipe::rowwise && kind == "mlp" ? 2 : 0));
+  CHECK(first_diff == 0.0);
+  // Bit for bit from the same weights. The runs part where an fp32 master first rounds to
+  // another bf16 weight (AdamW's arithmetic differs between LibTorch and Python in the last
+  // fp32 bit), a step that chance picks (the 11th for the block under RowwiseScaling, the
+  // 43rd under TensorwiseScaling); from there they are two draws of the same fp8 rounding
+  // noise, which stay closer to each other than fp8 is to bf16.
+  CHECK(same_result == same_start);
+  CHECK(same_start >= 5);
+  CHECK(loss_diff <= 0.5 * fp8_effect);
+  CHECK(last < 0.7 * first);  // it trained
+}
+
+// Model under each of torchao's three recipes against MixedFP8 with the same recipe: one
+// Python process trains all three (tests/parity_fp8.py), the same weights and data.
+template <class Model, class... Recipes>
+void check_torchao_parity(const std::string& kind, const at::Tensor& x, const at::Tensor& y) {
+  torch::manual_seed(11);
+  Model model;
+  torch::set_num_threads(1);  // as the Python side: one reduction order
+  const std::int64_t steps = 120, batch = 32;
+  const double lr = 3e-3;
+  const auto input = test::temp_path("parity_fp8_" + kind + ".pt");
+  const auto output = test::temp_path("parity_fp8_" + kind + ".out.pt");
+  write_python_input(input, *model, x, y, {{"steps", steps}, {"batch", batch}, {"lr", lr}});
+  std::remove(output.c_str());
+  std::string recipes;
+  ((recipes += (recipes.empty() ? "" : ",") + torchao_recipe<Recipes>()), ...);
+  const auto command = std::string(MIXPREC_SYSTEM_PYTHON) + " " + MIXPREC_PARITY_FP8_SCRIPT + " " +
+                       kind + " " + input + " " + output + " " + recipes;
+  REQUIRE(std::system(command.c_str()) == 0);
+  std::ifstream in(output, std::ios::binary);
+  const std::vector<char> saved((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const auto python = torch::pickle_load(saved).toGenericDict();
   // The same model and data under MixedO2<BFloat16>: how far fp8 itself moves the losses.
   torch::manual_seed(11);
   Model bf16_model;
   const auto bf16 = train_batches<mp::MixedO2<at::BFloat16>>(bf16_model, x, y, steps, batch, lr,
                                                              [](std::int64_t, const at::Tensor&,
                                                                 const std::map<std::string, at::Tensor>&) {});
-  double loss_diff = 0, fp8_effect = 0;
-  std::int64_t identical_steps = 0;  // from the first, the steps whose losses are bitwise equal
-  for (std::int64_t step = 0; step < steps; ++step) {
-    const double python_loss = theirs("losses")[step].template item<double>();
-    if (ours[step] == python_loss && identical_steps == step) identical_steps = step + 1;
-    loss_diff = std::max(loss_diff, std::abs(ours[step] - python_loss));
-    fp8_effect = std::max(fp8_effect, std::abs(bf16[step] - python_loss));
-  }
-  const double first = theirs("losses")[0].template item<double>();
-  const double last = theirs("losses")[steps - 1].template item<double>();
-  MESSAGE(kind, " vs torchao, ", steps, " steps: first step's outputs and gradients largest "
-          "difference ", first_diff, "; loss ", first, " -> ", last, ", identical for the first ",
-          identical_steps, " steps, largest loss difference ", loss_diff, "; torchao vs "
-          "MixedO2<BFloat16>: ", fp8_effect);
-  CHECK(first_diff == 0.0);
-  // Bit for bit until an fp32 master first rounds to another bf16 weight (AdamW's arithmetic
-  // differs between LibTorch and Python in the last fp32 bit); from there the two runs are two
-  // draws of the same fp8 rounding noise, which stay closer to each other than fp8 is to bf16.
-  CHECK(identical_steps >= 20);
-  CHECK(loss_diff <= 0.5 * fp8_effect);
-  CHECK(last < 0.7 * first);  // it trained
+  (compare_with_torchao<Recipes, Model>(kind, x, y, python, bf16, steps, batch, lr), ...);
 }
 
 }  // namespace
@@ -661,22 +755,24 @@ TEST_CASE("parity with torchao: PureHalf<BFloat16, StochasticRounding<>> vs "
   CHECK(last < 0.5 * first);  // it trained
 }
 
-TEST_CASE("parity with torchao: MixedFP8<TensorwiseScaling> vs Float8Linear, an MLP" *
-          doctest::skip(!mp::has_fp8)) {
-  test::with_fp8([](auto recipe) {
+TEST_CASE("parity with torchao: MixedFP8 vs Float8Linear (tensorwise, rowwise, "
+          "rowwise_with_gw_hp), an MLP" * doctest::skip(!mp::has_fp8)) {
+  test::with_fp8_recipes<mp::TensorwiseScaling, mp::RowwiseScaling, mp::RowwiseScalingWithGwHp>(
+      [](auto... recipes) {
     torch::manual_seed(7);
     const auto x = torch::randn({256, 16}) * 3;
     const auto y = x.matmul(torch::randn({16, 4})).argmax(1);
-    check_torchao_parity<mp::MixedFP8<decltype(recipe)>, Fp8Mlp>("mlp", x, y);
+    check_torchao_parity<Fp8Mlp, decltype(recipes)...>("mlp", x, y);
   });
 }
 
-TEST_CASE("parity with torchao: MixedFP8<TensorwiseScaling> vs Float8Linear, a transformer block" *
-          doctest::skip(!mp::has_fp8)) {
-  test::with_fp8([](auto recipe) {
+TEST_CASE("parity with torchao: MixedFP8 vs Float8Linear (tensorwise, rowwise, "
+          "rowwise_with_gw_hp), a transformer block" * doctest::skip(!mp::has_fp8)) {
+  test::with_fp8_recipes<mp::TensorwiseScaling, mp::RowwiseScaling, mp::RowwiseScalingWithGwHp>(
+      [](auto... recipes) {
     torch::manual_seed(7);
     const auto x = torch::randn({256, 8, 32});
     const auto y = x.mean(1).matmul(torch::randn({32, 4})).argmax(1);
-    check_torchao_parity<mp::MixedFP8<decltype(recipe)>, Fp8Block>("block", x, y);
+    check_torchao_parity<Fp8Block, decltype(recipes)...>("block", x, y);
   });
 }

@@ -25,6 +25,7 @@ namespace mp = mixprec;
 namespace {
 
 using test::with_fp8;
+using test::with_fp8_recipes;
 
 // ---- fp8 formats, from their definition (OCP FP8: e4m3fn bias 7, no inf, S.1111.111 is NaN;
 // e5m2 bias 15, IEEE-like).
@@ -69,6 +70,28 @@ std::vector<std::uint8_t> expected_bytes(const at::Tensor& x, float scale, bool 
   std::vector<std::uint8_t> bytes;
   for (std::int64_t i = 0; i < values.numel(); ++i) bytes.push_back(encode(p[i] * scale, e5m2));
   return bytes;
+}
+
+// The same with one scale per element: `scales` broadcast to x's shape (a rowwise [rows, 1] or
+// [1, columns] scale).
+[[maybe_unused]] std::vector<std::uint8_t> expected_bytes(const at::Tensor& x,
+                                                          const at::Tensor& scales, bool e5m2) {
+  const auto values = x.to(at::kFloat).contiguous();
+  const auto s = scales.to(at::kFloat).expand(x.sizes()).contiguous();
+  const auto* p = values.data_ptr<float>();
+  const auto* q = s.data_ptr<float>();
+  std::vector<std::uint8_t> bytes;
+  for (std::int64_t i = 0; i < values.numel(); ++i) bytes.push_back(encode(p[i] * q[i], e5m2));
+  return bytes;
+}
+
+// The rowwise recipes' scale for an amax, from its definition: the largest power of 2 not
+// above float(448 / amax) (amax clamped to 1e-12), as torchao's round_scales_to_power_of_2.
+[[maybe_unused]] float power_of_2_scale(double amax) {
+  const auto scale = static_cast<float>(448.0 / std::max(amax, 1e-12));
+  int exponent = 0;
+  (void)std::frexp(static_cast<double>(scale), &exponent);  // scale = m * 2^exponent, m in [0.5, 1)
+  return static_cast<float>(std::ldexp(1.0, exponent - 1));
 }
 
 std::vector<std::uint8_t> bytes(const at::Tensor& fp8) {
@@ -128,12 +151,6 @@ std::vector<double> train_mlp(const Data& data, Mlp* keep = nullptr) {
   }
   if (keep != nullptr) *keep = model;
   return losses;
-}
-
-// with_fp8 for several recipes at once: body(Recipes{}...) where LibTorch has fp8.
-template <class... Recipes, class Body>
-void with_fp8_recipes(Body&& body) {
-  if constexpr (mp::has_fp8) body(Recipes{}...);
 }
 
 // A MixedFP8 Mlp with its optimizer and Trainer, trained on `data` step by step.
@@ -242,6 +259,67 @@ TEST_CASE("fp8 casts: scales and bytes as the formats define them, saturating" *
   });
 }
 
+TEST_CASE("rowwise casts: a power-of-2 scale per row, per column or per tensor, e4m3 for every "
+          "operand, as the format defines them" * doctest::skip(!mp::has_fp8)) {
+  with_fp8<mp::RowwiseScaling>([](auto recipe) {
+    auto generator = torch::make_generator<at::CPUGeneratorImpl>(5);
+    auto x = (torch::randn({24, 40}, generator) * torch::exp(torch::randn({24, 40}, generator) * 3))
+                 .to(at::kBFloat16);
+    x[0][0] = 1000;  // sets row 0's and column 0's scale, no other
+    x[1] = 0;        // an all-zero row
+    const auto magnitude = x.to(at::kDouble).abs();
+    mp::detail::Fp8LayerState state(mp::detail::Fp8Settings::of<decltype(recipe)>());
+    using Cast = mp::detail::Fp8Cast;
+    struct Case {
+      Cast cast;
+      std::optional<std::int64_t> dim;
+      at::Tensor amaxes;  // the reference's, broadcastable to x
+    };
+    const std::vector<Case> cases{
+        {Cast::input, 1, std::get<0>(magnitude.max(1, /*keepdim=*/true))},
+        {Cast::grad_output, 1, std::get<0>(magnitude.max(1, true))},
+        {Cast::input_for_grad_weight, 0, std::get<0>(magnitude.max(0, true))},
+        {Cast::weight_for_grad_input, std::nullopt, magnitude.max()}};
+    for (const auto& c : cases) {
+      CAPTURE(static_cast<int>(c.cast));
+      const auto q = state.cast_rowwise(c.cast, x, c.dim);
+      CHECK(q.data.scalar_type() == mp::detail::float8_e4m3);  // the gradients too
+      REQUIRE(q.scale.sizes() == c.amaxes.sizes());
+      auto expected = torch::empty(c.amaxes.sizes(), at::kFloat);
+      const auto amaxes = c.amaxes.contiguous();
+      for (std::int64_t i = 0; i < amaxes.numel(); ++i) {
+        expected.view({-1})[i] = power_of_2_scale(amaxes.view({-1})[i].template item<double>());
+      }
+      CHECK(test::identical(q.scale, expected));
+      CHECK(0 == mismatches(bytes(q.data), expected_bytes(x, expected, /*e5m2=*/false)));
+      // Dequantized as torchao's emulation: x8 / scale, broadcast; exact for powers of 2.
+      CHECK(test::identical(mp::detail::dequantize(q), q.data.to(at::kFloat) / q.scale));
+      CHECK(test::identical(mp::detail::dequantize(mp::detail::transposed(q)),
+                            (q.data.to(at::kFloat) / q.scale).t()));
+    }
+    // The zero row gets a finite scale and zeros.
+    const auto rows = state.cast_rowwise(Cast::input, x, 1);
+    CHECK(std::isfinite(rows.scale[1][0].template item<float>()));
+    CHECK(rows.data[1].to(at::kFloat).abs().max().template item<float>() == 0.0f);
+    // An outlier coarsens its own row and column only: 448 / 1000 -> 2^-2, where the other
+    // rows and columns of normal values keep scales of 2^5 and more (448 / 7).
+    auto y = torch::randn({8, 16}, generator).clamp(-7, 7).to(at::kBFloat16);
+    y[0][0] = 1000;
+    for (const std::int64_t dim : {1, 0}) {
+      const auto q = state.cast_rowwise(Cast::input, y, dim).scale.reshape({-1});
+      CHECK(q[0].template item<float>() == 0.25f);
+      CHECK(q.slice(0, 1).min().template item<float>() >= 32.0f);
+    }
+    // A one-column tensor with a per-column scale ([1, 1] of [n, 1]): each element divided by it.
+    const auto column = state.cast_rowwise(Cast::input_for_grad_weight, x.slice(1, 0, 1).contiguous(), 0);
+    REQUIRE(column.scale.sizes() == at::IntArrayRef({1, 1}));
+    CHECK(test::identical(mp::detail::dequantize(column), column.data.to(at::kFloat) / column.scale));
+    // A scale that fits neither the rows nor the columns of its data is an Error.
+    CHECK_THROWS_WITH_AS(mp::detail::dequantize({rows.data, torch::ones({3, 1})}),
+                         doctest::Contains("must be 0-dim, or [rows, 1] or [1, columns]"), mp::Error);
+  });
+}
+
 TEST_CASE("Float8Linear: Linear's initialization and state_dict keys; checkpoints load both ways" *
           doctest::skip(!mp::has_fp8)) {
   with_fp8([](auto) {
@@ -314,29 +392,29 @@ TEST_CASE("Float8Linear's fp8 products and gradients against fp64 on the same fp
   });
 }
 
-TEST_CASE("MixedFP8 trains an MLP as MixedO2<BFloat16> does" * doctest::skip(!mp::has_fp8)) {
-  with_fp8([](auto tensorwise) { with_fp8<mp::DelayedScaling<>>([&](auto delayed_recipe) {
+TEST_CASE("MixedFP8 trains an MLP as MixedO2<BFloat16> does, under each recipe" *
+          doctest::skip(!mp::has_fp8)) {
+  with_fp8_recipes<mp::TensorwiseScaling, mp::DelayedScaling<>, mp::RowwiseScaling,
+                   mp::RowwiseScalingWithGwHp>([](auto... recipes) {
     const auto data = make_data(120, 16, 4, 11);
     const auto bf16 = train_mlp<mp::MixedO2<at::BFloat16>>(data);
-    const auto fp8 = train_mlp<mp::MixedFP8<decltype(tensorwise)>>(data);
-    const auto delayed = train_mlp<mp::MixedFP8<decltype(delayed_recipe)>>(data);
-    double worst = 0, worst_delayed = 0;
-    for (std::size_t i = 0; i < bf16.size(); ++i) {
-      worst = std::max(worst, std::abs(fp8[i] - bf16[i]));
-      worst_delayed = std::max(worst_delayed, std::abs(delayed[i] - bf16[i]));
-    }
     const auto tail = [](const std::vector<double>& l) {
       double s = 0;
       for (std::size_t i = l.size() - 20; i < l.size(); ++i) s += l[i];
       return s / 20;
     };
-    MESSAGE("loss " << bf16.front() << " -> " << tail(bf16) << " (bf16), " << tail(fp8)
-            << " (fp8 tensorwise), " << tail(delayed) << " (fp8 delayed); largest per-step "
-            << "difference from bf16: " << worst << " tensorwise, " << worst_delayed << " delayed");
     CHECK(tail(bf16) < 0.5 * bf16.front());
-    CHECK(std::abs(tail(fp8) - tail(bf16)) < 0.1 * tail(bf16) + 0.02);
-    CHECK(std::abs(tail(delayed) - tail(bf16)) < 0.1 * tail(bf16) + 0.02);
-  }); });
+    const auto run = [&](auto recipe) {
+      using P = mp::MixedFP8<decltype(recipe)>;
+      const auto fp8 = train_mlp<P>(data);
+      double worst = 0;
+      for (std::size_t i = 0; i < bf16.size(); ++i) worst = std::max(worst, std::abs(fp8[i] - bf16[i]));
+      MESSAGE(P::name, ": loss ", bf16.front(), " -> ", tail(fp8), " (MixedO2<BFloat16>: ",
+              tail(bf16), "); largest per-step difference from bf16: ", worst);
+      CHECK(std::abs(tail(fp8) - tail(bf16)) < 0.1 * tail(bf16) + 0.02);
+    };
+    (run(recipes), ...);
+  });
 }
 
 TEST_CASE("DelayedScaling: amax histories and scales step by step, an inf skipped" *
@@ -461,6 +539,46 @@ TEST_CASE("a MixedFP8 checkpoint loads into the recipe it was written with only:
   });
 }
 
+TEST_CASE("a rowwise MixedFP8 checkpoint loads into its own recipe only, and resumes bit for bit" *
+          doctest::skip(!mp::has_fp8)) {
+  with_fp8_recipes<mp::RowwiseScaling, mp::RowwiseScalingWithGwHp, mp::TensorwiseScaling>(
+      [](auto rowwise, auto gw_hp, auto tensorwise) {
+    using Rowwise = mp::MixedFP8<decltype(rowwise)>;
+    const auto data = make_data(6, 16, 4, 13);
+    const auto path = test::temp_path("fp8_rowwise.ckpt");
+    const auto refused = [&](auto recipe, const std::string& from, const char* message) {
+      Fp8Run<mp::MixedFP8<decltype(recipe)>> target(1);
+      target.steps(data, 3, 4);
+      const auto before = target.state();
+      CHECK_THROWS_WITH_AS(target.trainer.load(from), doctest::Contains(message), mp::Error);
+      CHECK(test::identical(target.state(), before));
+    };
+    Fp8Run<Rowwise> source(0);
+    source.steps(data, 0, 3);
+    source.trainer.save(path);
+    refused(gw_hp, path, "this is Trainer<MixedFP8<RowwiseScalingWithGwHp>>, and their settings "
+                         "that change the numbers differ: fp8_weight_grad fp8 there, bf16 here");
+    refused(tensorwise, path, "fp8 rowwise there, tensorwise here, fp8_power_of_2_scales true "
+                              "there, (none) here, fp8_grad_output e4m3 there, (none) here, "
+                              "fp8_weight_grad fp8 there, (none) here");
+    // The other way: a tensorwise checkpoint, with its settings and from before them.
+    Fp8Run<mp::MixedFP8<decltype(tensorwise)>> plain(2);
+    plain.steps(data, 0, 2);
+    const auto plain_path = test::temp_path("fp8_tensorwise.ckpt");
+    plain.trainer.save(plain_path);
+    refused(rowwise, plain_path, "fp8 tensorwise there, rowwise here");
+    save_without_settings(plain, plain_path);
+    refused(rowwise, plain_path, "was written by Trainer<MixedFP8<TensorwiseScaling>>, this is "
+                                 "Trainer<MixedFP8<RowwiseScaling>>");
+    // Its own recipe resumes it, bit for bit.
+    Fp8Run<Rowwise> resumed(1);
+    resumed.trainer.load(path);
+    source.steps(data, 3, 6);
+    resumed.steps(data, 3, 6);
+    CHECK(test::identical(resumed.state(), source.state()));
+  });
+}
+
 TEST_CASE("a MixedFP8 checkpoint written before the recipe was recorded loads where its scales "
           "show the same Margin" * doctest::skip(!mp::has_fp8)) {
   with_fp8_recipes<mp::DelayedScaling<4, 3>, mp::DelayedScaling<4>, mp::TensorwiseScaling>(
@@ -514,9 +632,11 @@ TEST_CASE("a MixedFP8 checkpoint written before the recipe was recorded loads wh
   });
 }
 
-TEST_CASE("MixedFP8 with a precision map: layers kept in bf16 or fp32" * doctest::skip(!mp::has_fp8)) {
-  with_fp8([](auto recipe) {
+TEST_CASE("MixedFP8 with a precision map: layers kept in bf16 or fp32, under each recipe" *
+          doctest::skip(!mp::has_fp8)) {
+  const auto kept = [](auto recipe) {
     using P = mp::MixedFP8<decltype(recipe)>;
+    CAPTURE(P::name);
     torch::manual_seed(0);
     Mlp model(16, 32, 4);
     const auto changed = mp::apply_precision_map<P>(
@@ -533,7 +653,9 @@ TEST_CASE("MixedFP8 with a precision map: layers kept in bf16 or fp32" * doctest
       return model->forward(trainer.cast_input(torch::randn({4, 16}))).to(at::kFloat).pow(2).mean();
     });
     CHECK(report.stepped());
-  });
+  };
+  with_fp8_recipes<mp::TensorwiseScaling, mp::RowwiseScaling, mp::RowwiseScalingWithGwHp>(
+      [&](auto... recipes) { (kept(recipes), ...); });
   with_fp8([](auto recipe) {
     // The Trainer's end turns fp8 off: the layers are Linear's again.
     torch::manual_seed(0);
@@ -637,10 +759,87 @@ TEST_CASE("advise: which Float8Linear layers fp8 holds, and the map that keeps t
   });
 }
 
+// advise() needs no fp8 dtype: this runs under LibTorch 1.13 too, but for the Trainer at its end.
+TEST_CASE("advise: which Float8Linear layers each recipe holds, and each recipe's map") {
+  using Tensorwise = mp::TensorwiseScaling;
+  using Rowwise = mp::RowwiseScaling;
+  using GwHp = mp::RowwiseScalingWithGwHp;
+  torch::manual_seed(0);
+  // tanh bounds what the later layers see: the data's outliers reach the first layer alone.
+  torch::nn::Sequential model(mp::nn::Float8Linear(64, 32), torch::nn::Tanh(),
+                              mp::nn::Float8Linear(32, 4));
+  auto generator = torch::make_generator<at::CPUGeneratorImpl>(6);
+  // Where the outliers are decides which casts they coarsen: one element (its row and column),
+  // one sample (every column: RowwiseScaling's grad_weight product casts the input per
+  // column), one feature (every row: the forward product, under both rowwise recipes).
+  enum class Outliers { element, sample, feature };
+  const auto advise = [&](Outliers where) {
+    return mp::advise(model, [&] {
+      auto x = torch::randn({64, 64}, generator);
+      if (where == Outliers::element) x[5][7] = 1e5;
+      if (where == Outliers::sample) x[5].mul_(1e5);
+      if (where == Outliers::feature) x.select(1, 7).mul_(1e5);
+      return model->forward(x).pow(2).mean();
+    });
+  };
+  struct Expected {
+    Outliers where;
+    bool tensorwise, rowwise, gw_hp;  // whether each holds layer 0
+  };
+  for (const auto& e : {Expected{Outliers::element, false, true, true},
+                        Expected{Outliers::sample, false, false, true},
+                        Expected{Outliers::feature, false, false, false}}) {
+    CAPTURE(static_cast<int>(e.where));
+    const auto advice = advise(e.where);
+    REQUIRE(advice.fp8_layers.size() == 2);
+    const auto& first = advice.fp8_layers[0];
+    const auto& in = first.input;
+    MESSAGE("outliers " << static_cast<int>(e.where) << ": layer 0's inputs round to 0: "
+            << 100 * in.flushed << "% tensorwise, " << 100 * in.flushed_rows << "% per row, "
+            << 100 * in.flushed_columns << "% per column");
+    CHECK(first.holds<Tensorwise>() == e.tensorwise);
+    CHECK(first.holds<Rowwise>() == e.rowwise);
+    CHECK(first.holds<GwHp>() == e.gw_hp);
+    CHECK(advice.fp8_layers[1].holds<Rowwise>());  // behind tanh: nothing to coarsen
+    CHECK(advice.fp8_layers[1].holds<GwHp>());
+    // Each recipe's map keeps exactly the layers it does not hold in bf16.
+    const auto check_map = [&](const mp::PrecisionMap& map, bool holds) {
+      REQUIRE(map.rules().size() == (holds ? 0U : 1U));
+      if (!holds) CHECK(map.rules()[0].pattern == "0");
+    };
+    check_map(advice.fp8_precision_map<Tensorwise>(), e.tensorwise);
+    check_map(advice.fp8_precision_map<Rowwise>(), e.rowwise);
+    check_map(advice.fp8_precision_map<GwHp>(), e.gw_hp);
+    std::ostringstream text;
+    text << advice;
+    CHECK((text.str().find("keep 0 in bf16 under MixedFP8<RowwiseScaling>: ") != std::string::npos) ==
+          !e.rowwise);
+    CHECK((text.str().find("keep 0 in bf16 under MixedFP8<RowwiseScalingWithGwHp>: ") !=
+           std::string::npos) == !e.gw_hp);
+    if (!e.rowwise) {
+      CHECK(first.rowwise_reason.find("inputs would round to 0 in e4m3 with one scale per") !=
+            std::string::npos);
+    }
+  }
+  // A map for a rowwise recipe applies and trains as any.
+  const auto map = advise(Outliers::sample).fp8_precision_map<Rowwise>();
+  with_fp8<Rowwise>([&](auto recipe) {
+    using P = mp::MixedFP8<decltype(recipe)>;
+    mp::apply_precision_map<P>(model, map);
+    torch::optim::AdamW adam(model->parameters());
+    mp::Trainer<P> trainer(model, adam);
+    CHECK_FALSE(model[0]->template as<mp::nn::Float8LinearImpl>()->computes_fp8());
+    CHECK(model[2]->template as<mp::nn::Float8LinearImpl>()->computes_fp8());
+    CHECK(trainer.step([&] {
+      return model->forward(trainer.cast_input(torch::randn({8, 64}))).to(at::kFloat).pow(2).mean();
+    }).stepped());
+  });
+}
+
 TEST_CASE("Float8Linear's fp8 products without bias, with frozen tensors, an input that needs no "
-          "gradient or grad mode off: forward and every gradient against fp64 on the same operands" *
-          doctest::skip(!mp::has_fp8)) {
-  with_fp8([](auto) {
+          "gradient or grad mode off, under each recipe: forward and every gradient against fp64 "
+          "on the same operands" * doctest::skip(!mp::has_fp8)) {
+  with_fp8_recipes<mp::TensorwiseScaling, mp::RowwiseScaling, mp::RowwiseScalingWithGwHp>([](auto... recipes) {
     enum class Bias { none, trained, frozen };
     struct Case {
       Bias bias;
@@ -664,59 +863,92 @@ TEST_CASE("Float8Linear's fp8 products without bias, with frozen tensors, an inp
       worst = std::max(worst, diff / ulp);
       CHECK(diff <= ulp);
     };
-    double worst = 0;
     torch::manual_seed(31);
     const auto x = torch::randn({4, 3, 16}).to(at::kBFloat16);
     const auto probe = torch::randn({4, 3, 8});
-    for (const auto& c : cases) {
-      INFO("bias ", static_cast<int>(c.bias), ", weight grad ", c.weight_grad, ", input grad ",
-           c.input_grad, ", grad mode ", c.grad_mode);
-      torch::manual_seed(32);
-      mp::nn::Float8Linear layer(torch::nn::LinearOptions(16, 8).bias(c.bias != Bias::none));
-      layer->to(at::kBFloat16);  // as MixedFP8 casts it
-      layer->set_fp8_state(c10::make_intrusive<mp::detail::Fp8LayerState>(false, 0, 0));
-      layer->keep_operands();
-      layer->weight.requires_grad_(c.weight_grad);
-      if (c.bias != Bias::none) layer->bias.requires_grad_(c.bias == Bias::trained);
-      const auto input = x.clone().requires_grad_(c.input_grad);
-      at::Tensor y;
-      {
-        const torch::AutoGradMode mode(c.grad_mode);
-        y = layer(input);
+    const auto run = [&](auto recipe) {
+      using Recipe = decltype(recipe);
+      double worst = 0;
+      for (const auto& c : cases) {
+        INFO(mp::MixedFP8<Recipe>::name, ": bias ", static_cast<int>(c.bias), ", weight grad ",
+             c.weight_grad, ", input grad ", c.input_grad, ", grad mode ", c.grad_mode);
+        torch::manual_seed(32);
+        mp::nn::Float8Linear layer(torch::nn::LinearOptions(16, 8).bias(c.bias != Bias::none));
+        layer->to(at::kBFloat16);  // as MixedFP8 casts it
+        layer->set_fp8_state(c10::make_intrusive<mp::detail::Fp8LayerState>(
+            mp::detail::Fp8Settings::of<Recipe>()));
+        layer->keep_operands();
+        layer->weight.requires_grad_(c.weight_grad);
+        if (c.bias != Bias::none) layer->bias.requires_grad_(c.bias == Bias::trained);
+        const auto input = x.clone().requires_grad_(c.input_grad);
+        at::Tensor y;
+        {
+          const torch::AutoGradMode mode(c.grad_mode);
+          y = layer(input);
+        }
+        CHECK(y.scalar_type() == at::kBFloat16);
+        const bool any = c.input_grad || c.weight_grad || c.bias == Bias::trained;
+        CHECK(y.requires_grad() == (c.grad_mode && any));
+        const auto& ops = layer->last_operands();
+        if constexpr (Recipe::rowwise) {  // one scale per row of the input and of the weight
+          CHECK(ops.input.scale.sizes() == at::IntArrayRef({12, 1}));
+          CHECK(ops.weight.scale.sizes() == at::IntArrayRef({8, 1}));
+        }
+        auto forward = deq(ops.input).matmul(deq(ops.weight).t()).to(at::kBFloat16);
+        if (c.bias != Bias::none) forward = forward + layer->bias.detach();
+        check_bf16(y.reshape({12, 8}), forward, worst);
+        if (!y.requires_grad()) continue;
+        (y.to(at::kFloat) * probe).sum().backward();
+        // What the layer's backward cast; it ran only where the input or the weight needs a
+        // gradient (the rowwise recipes: each product's own casts, where it runs).
+        const auto grad_output = probe.to(at::kBFloat16).to(at::kDouble).reshape({12, 8});
+        const auto& g = ops.grad_output;
+        CHECK(g.data.defined() == (Recipe::rowwise ? c.input_grad : c.input_grad || c.weight_grad));
+        if (g.data.defined()) {
+          CHECK(g.data.scalar_type() == (Recipe::rowwise ? mp::detail::float8_e4m3 : mp::detail::float8_e5m2));
+        }
+        CHECK(ops.grad_output_for_grad_weight.data.defined() ==
+              (Recipe::rowwise && Recipe::weight_grad_fp8 && c.weight_grad));
+        if (c.input_grad) {
+          REQUIRE(input.grad().defined());
+          // grad_input's weight: per column (rowwise), one scale (..._WithGwHp), the forward
+          // product's cast (tensorwise).
+          const auto& w = Recipe::rowwise ? ops.weight_for_grad_input : ops.weight;
+          if constexpr (Recipe::rowwise) {
+            CHECK(w.scale.sizes() == (Recipe::weight_grad_fp8 ? at::IntArrayRef({1, 16})
+                                                             : at::IntArrayRef({})));
+          }
+          check_bf16(input.grad().reshape({12, 16}), deq(g).matmul(deq(w)), worst);
+        } else {
+          CHECK_FALSE(input.grad().defined());
+        }
+        if (c.weight_grad) {
+          REQUIRE(layer->weight.grad().defined());
+          at::Tensor expected;
+          if constexpr (!Recipe::rowwise) {
+            expected = deq(g).t().matmul(deq(ops.input));
+          } else if constexpr (Recipe::weight_grad_fp8) {  // both per column
+            CHECK(ops.grad_output_for_grad_weight.scale.sizes() == at::IntArrayRef({1, 8}));
+            CHECK(ops.input_for_grad_weight.scale.sizes() == at::IntArrayRef({1, 16}));
+            expected = deq(ops.grad_output_for_grad_weight).t().matmul(deq(ops.input_for_grad_weight));
+          } else {  // in bf16: the layer's own input and gradient, no fp8
+            expected = grad_output.t().matmul(x.to(at::kDouble).reshape({12, 16}));
+          }
+          check_bf16(layer->weight.grad(), expected, worst);
+        } else {
+          CHECK_FALSE(layer->weight.grad().defined());
+        }
+        if (c.bias == Bias::trained) {
+          // The bias is added after the product, in bf16: its gradient is the upstream one's sum.
+          REQUIRE(layer->bias.grad().defined());
+          check_bf16(layer->bias.grad(), probe.to(at::kBFloat16).to(at::kDouble).sum(at::IntArrayRef{0, 1}), worst);
+        } else if (c.bias == Bias::frozen) {
+          CHECK_FALSE(layer->bias.grad().defined());
+        }
       }
-      CHECK(y.scalar_type() == at::kBFloat16);
-      const bool any = c.input_grad || c.weight_grad || c.bias == Bias::trained;
-      CHECK(y.requires_grad() == (c.grad_mode && any));
-      const auto& ops = layer->last_operands();
-      auto forward = deq(ops.input).matmul(deq(ops.weight).t()).to(at::kBFloat16);
-      if (c.bias != Bias::none) forward = forward + layer->bias.detach();
-      check_bf16(y.reshape({12, 8}), forward, worst);
-      if (!y.requires_grad()) continue;
-      (y.to(at::kFloat) * probe).sum().backward();
-      // What the layer's backward cast; it ran only where the input or the weight needs a gradient.
-      const auto g = [&] { return deq(ops.grad_output); };
-      CHECK(ops.grad_output.data.defined() == (c.input_grad || c.weight_grad));
-      if (c.input_grad) {
-        REQUIRE(input.grad().defined());
-        check_bf16(input.grad().reshape({12, 16}), g().matmul(deq(ops.weight)), worst);
-      } else {
-        CHECK_FALSE(input.grad().defined());
-      }
-      if (c.weight_grad) {
-        REQUIRE(layer->weight.grad().defined());
-        check_bf16(layer->weight.grad(), g().t().matmul(deq(ops.input)), worst);
-      } else {
-        CHECK_FALSE(layer->weight.grad().defined());
-      }
-      if (c.bias == Bias::trained) {
-        // The bias is added after the product, in bf16: its gradient is the upstream one's sum.
-        REQUIRE(layer->bias.grad().defined());
-        check_bf16(layer->bias.grad(), probe.to(at::kBFloat16).to(at::kDouble).sum(at::IntArrayRef{0, 1}), worst);
-      } else if (c.bias == Bias::frozen) {
-        CHECK_FALSE(layer->bias.grad().defined());
-      }
-    }
-    MESSAGE("largest difference from fp64 on the fp8 operands, in bf16 ulps of the largest value: "
-            << worst);
+      MESSAGE(mp::MixedFP8<Recipe>::name, ": largest difference from fp64 on the fp8 operands, in "
+              "bf16 ulps of the largest value: ", worst);
+    };
+    (run(recipes), ...);
   });
 }

@@ -181,13 +181,11 @@ TEST_CASE("... and the fp16 policies with their GradScaler" * doctest::skip(!mp:
   }
 }
 
-TEST_CASE("... and MixedFP8 with both recipes: delayed scaling's histories take each step once" *
+TEST_CASE("... and MixedFP8 with each recipe: delayed scaling's histories take each step once" *
           doctest::skip(!mp::has_fp8)) {
-  test::with_fp8([](auto tensorwise) {
-    test::with_fp8<mp::DelayedScaling<4>>([&](auto delayed) {
-      check_policy_bitwise<mp::MixedFP8<decltype(tensorwise)>>();
-      check_policy_bitwise<mp::MixedFP8<decltype(delayed)>>();
-    });
+  test::with_fp8_recipes<mp::TensorwiseScaling, mp::DelayedScaling<4>, mp::RowwiseScaling,
+                         mp::RowwiseScalingWithGwHp>([](auto... recipes) {
+    (check_policy_bitwise<mp::MixedFP8<decltype(recipes)>>(), ...);
   });
 }
 

@@ -139,14 +139,17 @@ inline void fused_adam_kernel(bool adamw, FusedAdamBatch& b, double lr, double b
 }
 
 // The float8 dtypes, and at::_scaled_mm: `a @ b * scale_a * scale_b` (a row-major, b
-// column-major, the scales fp32 scalars) in out_dtype. Undefined dtypes and an Error where
-// has_fp8 is false (MixedFP8 does not compile there, so nothing reaches them).
+// column-major, the scales fp32 scalars, or [M, 1] and [1, N] for rowwise scaling) in
+// out_dtype, with fast accumulation if asked. Undefined dtypes and an Error where has_fp8 is
+// false (MixedFP8 does not compile there, so nothing reaches them).
 #if MIXPREC_TORCH_AT_LEAST(2, 5)
 inline constexpr c10::ScalarType float8_e4m3 = c10::ScalarType::Float8_e4m3fn;
 inline constexpr c10::ScalarType float8_e5m2 = c10::ScalarType::Float8_e5m2;
 inline at::Tensor scaled_mm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& scale_a,
-                            const at::Tensor& scale_b, c10::ScalarType out_dtype) {
-  return at::_scaled_mm(a, b, scale_a, scale_b, std::nullopt, std::nullopt, out_dtype);
+                            const at::Tensor& scale_b, c10::ScalarType out_dtype,
+                            bool use_fast_accum = false) {
+  return at::_scaled_mm(a, b, scale_a, scale_b, std::nullopt, std::nullopt, out_dtype,
+                        use_fast_accum);
 }
 // The value of an fp8 code of `dtype` (e4m3fn or e5m2), exact in fp32.
 inline float float8_value(c10::ScalarType dtype, std::uint8_t code) {
@@ -158,7 +161,7 @@ inline float float8_value(c10::ScalarType dtype, std::uint8_t code) {
 inline constexpr c10::ScalarType float8_e4m3 = c10::ScalarType::Undefined;
 inline constexpr c10::ScalarType float8_e5m2 = c10::ScalarType::Undefined;
 inline at::Tensor scaled_mm(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                            const at::Tensor&, c10::ScalarType) {
+                            const at::Tensor&, c10::ScalarType, bool = false) {
   TORCH_CHECK(false, "mixprec: fp8 matrix products need LibTorch >= 2.5");
 }
 inline float float8_value(c10::ScalarType, std::uint8_t) {

@@ -7,6 +7,7 @@
 #include <mixprec/core/concepts.hpp>
 #include <mixprec/core/error.hpp>
 #include <mixprec/core/policy.hpp>
+#include <mixprec/fp8/recipes.hpp>
 #include <mixprec/precision/precision_map.hpp>
 
 #include <c10/core/DeviceType.h>
@@ -43,19 +44,40 @@ struct AdviseOptions {
   TORCH_ARG(double, fp8_underflow_tolerance) = 1e-2;
 };
 
-/// What the fp32 steps showed of one fp8 operand of a Float8Linear, under tensorwise scaling.
+/// What the fp32 steps showed of one fp8 operand of a Float8Linear: under tensorwise scaling,
+/// and as the rowwise recipes cast it (e4m3, power-of-2 scales).
 struct Fp8OperandAdvice {
   double amax = 0.0;       ///< the largest |x|, which the scale maps to the format's max
   double flushed = 0.0;    ///< fraction of its nonzero elements that would round to 0
   double subnormal = 0.0;  ///< fraction that would be subnormal (fewer than 3 or 2 mantissa bits)
+  /// Fractions that would round to 0 with one scale per row (along the last dimension), per
+  /// column (along the others), and with one power-of-2 scale for the whole tensor.
+  double flushed_rows = 0.0, flushed_columns = 0.0, flushed_power_of_2 = 0.0;
 };
 
-/// Whether MixedFP8 can hold one mixprec::nn::Float8Linear.
+/// Whether MixedFP8 can hold one mixprec::nn::Float8Linear, per recipe: no operand loses more
+/// than AdviseOptions::fp8_underflow_tolerance to 0 in any of the casts the recipe makes of it.
 struct Fp8LayerAdvice {
   std::string name;  ///< its named_modules() path
-  Fp8OperandAdvice input, weight, grad_output;  ///< e4m3, e4m3, e5m2
-  bool fp8 = true;   ///< no operand loses more than AdviseOptions::fp8_underflow_tolerance to 0
-  std::string reason;  ///< why not, when not
+  Fp8OperandAdvice input, weight, grad_output;  ///< e4m3, e4m3, e5m2 (tensorwise)
+  bool fp8 = true;               ///< TensorwiseScaling (DelayedScaling is judged by it too)
+  std::string reason;            ///< why not, when not
+  bool rowwise = true;           ///< RowwiseScaling: rows and columns of each operand
+  std::string rowwise_reason;
+  bool rowwise_with_gw_hp = true;  ///< RowwiseScalingWithGwHp: rows; the weight also as a whole
+  std::string rowwise_with_gw_hp_reason;
+
+  /// The verdict for MixedFP8<Recipe>.
+  template <class Recipe>
+  bool holds() const {
+    if constexpr (!Recipe::rowwise) {
+      return fp8;
+    } else if constexpr (Recipe::weight_grad_fp8) {
+      return rowwise;
+    } else {
+      return rowwise_with_gw_hp;
+    }
+  }
 };
 
 /// What the fp32 steps showed of one layer.
@@ -98,11 +120,13 @@ struct Advice {
   /// The model's mixprec::nn::Float8Linear layers (those that ran), and whether fp8 holds each.
   std::vector<Fp8LayerAdvice> fp8_layers;
 
-  /// The PrecisionMap (for MixedFP8) that keeps in bf16 the Float8Linear layers fp8 cannot hold.
+  /// The PrecisionMap (for MixedFP8<Recipe>) that keeps in bf16 the Float8Linear layers fp8
+  /// cannot hold under that recipe.
+  template <class Recipe = TensorwiseScaling>
   PrecisionMap fp8_precision_map() const {
     PrecisionMap map;
     for (const auto& layer : fp8_layers) {
-      if (!layer.fp8) map.add(layer.name, Precision::low);
+      if (!layer.template holds<Recipe>()) map.add(layer.name, Precision::low);
     }
     return map;
   }
@@ -263,17 +287,31 @@ inline std::ostream& operator<<(std::ostream& out, const Advice& advice) {
       return cell.str();
     };
     text << "  fp8 (MixedFP8, tensorwise scaling): per operand max |x|, % of nonzero rounding to "
-         << "0, % subnormal\n  " << std::left << std::setw(fw) << "layer" << std::setw(24)
-         << "  input (e4m3)" << std::setw(24) << "  weight (e4m3)" << std::setw(24)
-         << "  grad_output (e5m2)" << "  fp8\n";
+         << "0, % subnormal; the verdict per recipe\n  " << std::left << std::setw(fw) << "layer"
+         << std::setw(24) << "  input (e4m3)" << std::setw(24) << "  weight (e4m3)"
+         << std::setw(24) << "  grad_output (e5m2)" << "  tensorwise  rowwise  gw_hp\n";
+    const auto verdict = [](bool ok, int cells) {
+      std::ostringstream cell;
+      cell << std::left << std::setw(cells) << (ok ? "ok" : "bf16");
+      return cell.str();
+    };
     for (const auto& l : advice.fp8_layers) {
       text << "  " << std::setw(fw) << l.name << "  " << std::setw(22) << operand(l.input) << "  "
            << std::setw(22) << operand(l.weight) << "  " << std::setw(22)
-           << operand(l.grad_output) << "  " << (l.fp8 ? "ok" : "bf16") << '\n';
+           << operand(l.grad_output) << "  " << verdict(l.fp8, 12) << verdict(l.rowwise, 8)
+           << (l.rowwise_with_gw_hp ? "ok" : "bf16") << '\n';
     }
     text << std::right;
     for (const auto& l : advice.fp8_layers) {
       if (!l.fp8) text << "  keep " << l.name << " in bf16 under MixedFP8: " << l.reason << '\n';
+      if (!l.rowwise) {
+        text << "  keep " << l.name << " in bf16 under MixedFP8<RowwiseScaling>: "
+             << l.rowwise_reason << '\n';
+      }
+      if (!l.rowwise_with_gw_hp) {
+        text << "  keep " << l.name << " in bf16 under MixedFP8<RowwiseScalingWithGwHp>: "
+             << l.rowwise_with_gw_hp_reason << '\n';
+      }
     }
   }
   return out << text.str();

@@ -106,12 +106,22 @@ inline void judge_layers(std::vector<LayerAdvice>& layers,
   }
 }
 
-/// Whether fp8 holds each of the model's Float8Linear layers that `watch` saw (MixedFP8,
-/// tensorwise scaling), in named_modules() order.
+/// Whether fp8 holds each of the model's Float8Linear layers that `watch` saw, per recipe, in
+/// named_modules() order. A recipe fails a layer where one of the casts it makes of an operand
+/// would round more than fp8_underflow_tolerance of its nonzero elements to 0.
 inline std::vector<Fp8LayerAdvice> judge_fp8_layers(const torch::nn::Module& model,
                                                     const Fp8Watch& watch,
                                                     const AdviseOptions& options) {
   std::vector<Fp8LayerAdvice> result;
+  const double tolerance = options.fp8_underflow_tolerance();
+  // The first failing cast of a recipe gives its reason.
+  const auto judge = [tolerance](bool& holds, std::string& reason, double flushed,
+                                 const char* what, const std::string& how) {
+    if (!holds || flushed <= tolerance) return;
+    holds = false;
+    reason = short_number(100 * flushed) + "% of its nonzero " + what + " would round to 0 in " +
+             how;
+  };
   for (const auto& item : model.named_modules("", /*include_self=*/true)) {
     const auto* operands = watch.find(item.value().get());
     if (operands == nullptr) continue;
@@ -123,11 +133,20 @@ inline std::vector<Fp8LayerAdvice> judge_fp8_layers(const torch::nn::Module& mod
       const auto nonzero = static_cast<double>(std::max<std::int64_t>(o.nonzero, 1));
       out.flushed = static_cast<double>(o.flushed) / nonzero;
       out.subnormal = static_cast<double>(o.subnormal) / nonzero;
-      if (layer.fp8 && out.flushed > options.fp8_underflow_tolerance()) {
-        layer.fp8 = false;
-        layer.reason = short_number(100 * out.flushed) + "% of its nonzero " + what +
-                       " would round to 0 in " + format + " (their largest, " +
-                       short_number(o.amax) + ", sets the scale)";
+      out.flushed_rows = static_cast<double>(o.flushed_rows) / nonzero;
+      out.flushed_columns = static_cast<double>(o.flushed_columns) / nonzero;
+      out.flushed_power_of_2 = static_cast<double>(o.flushed_power_of_2) / nonzero;
+      judge(layer.fp8, layer.reason, out.flushed, what, std::string(format) + " (their largest, " +
+            short_number(o.amax) + ", sets the scale)");
+      const std::string rows = "e4m3 with one scale per row", columns = "e4m3 with one scale per column";
+      judge(layer.rowwise, layer.rowwise_reason, out.flushed_rows, what, rows);
+      judge(layer.rowwise, layer.rowwise_reason, out.flushed_columns, what, columns);
+      // RowwiseScalingWithGwHp casts each operand per row, and the weight once more as a whole.
+      judge(layer.rowwise_with_gw_hp, layer.rowwise_with_gw_hp_reason, out.flushed_rows, what, rows);
+      if (role == Fp8Role::weight) {
+        judge(layer.rowwise_with_gw_hp, layer.rowwise_with_gw_hp_reason, out.flushed_power_of_2,
+              what, "e4m3 with one power-of-2 scale for the whole weight (their largest, " +
+              short_number(o.amax) + ", sets it)");
       }
     };
     fill(layer.input, Fp8Role::input, "inputs", "e4m3");

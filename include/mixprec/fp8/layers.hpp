@@ -67,8 +67,7 @@ class Fp8Layers {
   template <class Recipe>
   void enable(Found found) {
     for (auto& [name, module] : found) {
-      auto state = c10::make_intrusive<Fp8LayerState>(Recipe::delayed, Recipe::history,
-                                                      Recipe::margin);
+      auto state = c10::make_intrusive<Fp8LayerState>(Fp8Settings::of<Recipe>());
       module->set_fp8_state(state);
       layers_.push_back({name, module, state});
     }

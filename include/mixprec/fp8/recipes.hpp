@@ -20,6 +20,11 @@
 ///   };
 ///   mixprec::Trainer<mixprec::MixedFP8<>> trainer(model, optimizer);            // tensorwise
 ///   mixprec::Trainer<mixprec::MixedFP8<mixprec::DelayedScaling<>>> delayed(...);  // TE's recipe
+///   mixprec::Trainer<mixprec::MixedFP8<mixprec::RowwiseScaling>> rowwise(...);    // per row
+///
+/// The rowwise recipes (RowwiseScaling, RowwiseScalingWithGwHp: torchao's "rowwise" and
+/// "rowwise_with_gw_hp") scale each row of an operand on its own, with power-of-2 scales and
+/// e4m3 gradients; the second computes the weight gradient in bf16.
 ///
 /// A precision map keeps chosen layers out of fp8 (`.add("head", Precision::low)`: bf16), as
 /// torchao's module_filter_fn does. docs/fp8.md has the formats, recipes and numerics.
@@ -40,6 +45,10 @@ struct TensorwiseScaling {
   static constexpr bool delayed = false;
   static constexpr int history = 0;
   static constexpr int margin = 0;
+  static constexpr bool rowwise = false;            // one scale per tensor
+  static constexpr bool power_of_2_scales = false;  // fp8_max / amax as it is
+  static constexpr bool grad_output_e4m3 = false;   // e5m2
+  static constexpr bool weight_grad_fp8 = true;
   static constexpr std::string_view policy_name = "MixedFP8<TensorwiseScaling>";
 };
 
@@ -55,16 +64,68 @@ struct DelayedScaling {
   static constexpr bool delayed = true;
   static constexpr int history = History;
   static constexpr int margin = Margin;
+  static constexpr bool rowwise = false;
+  static constexpr bool power_of_2_scales = false;
+  static constexpr bool grad_output_e4m3 = false;
+  static constexpr bool weight_grad_fp8 = true;
   static constexpr std::string_view policy_name = "MixedFP8<DelayedScaling>";
+};
+
+/// Dynamic rowwise scaling (torchao's recipe "rowwise"): every operand of every product gets
+/// one scale per row along that product's inner dimension, so an outlier coarsens its own row
+/// only. The scales are rounded down to powers of 2 (dividing by one is exact), and every
+/// operand is e4m3, the output gradient too. The backward products cast input, weight and
+/// grad_output again along their other axis (an fp8 cast along rows cannot serve columns):
+/// six casts per layer and step, and the layer keeps its bf16 input and weight for backward.
+struct RowwiseScaling {
+  static constexpr bool delayed = false;
+  static constexpr int history = 0;
+  static constexpr int margin = 0;
+  static constexpr bool rowwise = true;             // one scale per row of the inner dimension
+  static constexpr bool power_of_2_scales = true;   // 2^floor(log2(fp8_max / amax))
+  static constexpr bool grad_output_e4m3 = true;    // not e5m2
+  static constexpr bool weight_grad_fp8 = true;     // false: grad_weight in bf16
+  static constexpr std::string_view policy_name = "MixedFP8<RowwiseScaling>";
+};
+
+/// torchao's recipe "rowwise_with_gw_hp" (gw_hp: the weight gradient in high precision): the
+/// forward product as RowwiseScaling; grad_input from grad_output rowwise and the weight with
+/// one scale (both e4m3, power-of-2 scales); grad_weight = grad_output^T @ input in bf16, no
+/// fp8. Each operand is cast along one axis only; torchao's most accurate fp8 recipe.
+struct RowwiseScalingWithGwHp {
+  static constexpr bool delayed = false;
+  static constexpr int history = 0;
+  static constexpr int margin = 0;
+  static constexpr bool rowwise = true;
+  static constexpr bool power_of_2_scales = true;
+  static constexpr bool grad_output_e4m3 = true;
+  static constexpr bool weight_grad_fp8 = false;
+  static constexpr std::string_view policy_name = "MixedFP8<RowwiseScalingWithGwHp>";
 };
 
 namespace detail {
 template <class R>
-inline constexpr bool fp8_recipe = requires {
+inline constexpr bool fp8_recipe_members = requires {
   typename std::bool_constant<R::delayed>;
   typename std::integral_constant<int, R::history>;
   typename std::integral_constant<int, R::margin>;
+  typename std::bool_constant<R::rowwise>;
+  typename std::bool_constant<R::power_of_2_scales>;
+  typename std::bool_constant<R::grad_output_e4m3>;
+  typename std::bool_constant<R::weight_grad_fp8>;
 };
+// A recipe: its settings, in a combination that Float8Linear computes. Delayed scaling's
+// histories give one plain scale per tensor (e5m2 gradients); a bf16 weight gradient needs the
+// bf16 input, which only the rowwise products keep for backward.
+template <class R>
+constexpr bool fp8_recipe() {
+  if constexpr (fp8_recipe_members<R>) {
+    return (!R::delayed || (!R::rowwise && !R::power_of_2_scales && !R::grad_output_e4m3)) &&
+           (R::weight_grad_fp8 || R::rowwise);
+  } else {
+    return false;
+  }
+}
 }  // namespace detail
 
 /// MixedO2<BFloat16> with its Float8Linear layers in fp8 (see the top of this header).
@@ -74,9 +135,10 @@ struct MixedFP8 : MixedO2<at::BFloat16> {
   static_assert(has_fp8 || detail::dependent_false<Recipe>,
                 "mixprec: MixedFP8 needs LibTorch >= 2.5 (the float8 dtypes and at::_scaled_mm); "
                 "this LibTorch is older: use mixprec::MixedO2<at::BFloat16>");
-  static_assert(detail::fp8_recipe<Recipe>,
-                "mixprec: MixedFP8's recipe must be mixprec::TensorwiseScaling or "
-                "mixprec::DelayedScaling<History, Margin>");
+  static_assert(detail::fp8_recipe<Recipe>(),
+                "mixprec: MixedFP8's recipe must be mixprec::TensorwiseScaling, "
+                "mixprec::DelayedScaling<History, Margin>, mixprec::RowwiseScaling or "
+                "mixprec::RowwiseScalingWithGwHp");
   static constexpr std::string_view name = Recipe::policy_name;
   using recipe = Recipe;  // MixedO2<BFloat16>'s settings otherwise (its scaler: NoScaler)
 };

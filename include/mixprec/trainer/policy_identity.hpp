@@ -1,7 +1,9 @@
 #pragma once
 // What a checkpoint's policy is checked against: every setting of the policy that changes the
 // numbers (the low dtype, where the model is cast, masters, BatchNorm's dtype, the scaler type,
-// an fp8 recipe with its history and margin), written out from the type, not its display name.
+// an fp8 recipe with every setting of it: history, margin, granularity, scale rounding, the
+// gradients' format, the weight gradient's precision), written out from the type, not its
+// display name.
 // Two types with the same settings load each other's checkpoints; two with the same name and
 // other settings (a custom policy that inherits its base's name; DelayedScaling<4> and
 // DelayedScaling<4, 3>, both "MixedFP8<DelayedScaling>") do not.
@@ -28,9 +30,11 @@ struct PolicyIdentity {
 };
 
 /// P's identity. Settings, in this order: low, autocast, cast_model, master_weights,
-/// keep_batch_norm_fp32, scaler (the type's name), fp8 (none, tensorwise or delayed), and for
-/// delayed scaling fp8_history and fp8_margin; then, for a lean storage only (so that the
-/// checkpoints of the others read as before), storage (RemainderMasters<BFloat16>, ...).
+/// keep_batch_norm_fp32, scaler (the type's name), fp8 (none, tensorwise, delayed or rowwise),
+/// for delayed scaling fp8_history and fp8_margin, for the rowwise recipes
+/// fp8_power_of_2_scales, fp8_grad_output (e4m3 or e5m2) and fp8_weight_grad (fp8 or bf16);
+/// then, for a lean storage only (so that the checkpoints of the others read as before),
+/// storage (RemainderMasters<BFloat16>, ...).
 template <class P>
 PolicyIdentity policy_identity() {
   std::string settings;
@@ -48,10 +52,18 @@ PolicyIdentity policy_identity() {
   add("scaler", c10::demangle(typeid(typename P::scaler_type).name()));
   if constexpr (fp8_policy<P>) {
     using Recipe = typename P::recipe;
-    add("fp8", Recipe::delayed ? "delayed" : "tensorwise");
+    add("fp8", Recipe::delayed ? "delayed" : Recipe::rowwise ? "rowwise" : "tensorwise");
     if constexpr (Recipe::delayed) {
       add("fp8_history", std::to_string(Recipe::history));
       add("fp8_margin", std::to_string(Recipe::margin));
+    }
+    // Only where they differ from the tensorwise and delayed recipes' settings: those recipes'
+    // checkpoints, written before these keys, read as before.
+    if constexpr (Recipe::rowwise || Recipe::power_of_2_scales || Recipe::grad_output_e4m3 ||
+                  !Recipe::weight_grad_fp8) {
+      add("fp8_power_of_2_scales", flag(Recipe::power_of_2_scales));
+      add("fp8_grad_output", Recipe::grad_output_e4m3 ? "e4m3" : "e5m2");
+      add("fp8_weight_grad", Recipe::weight_grad_fp8 ? "fp8" : "bf16");
     }
   } else {
     add("fp8", "none");
