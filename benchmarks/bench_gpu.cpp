@@ -255,12 +255,12 @@ Row row(std::string name, std::string python_mode, const Setup& s, bool checkpoi
 }
 
 // (A template on the recipes only so that MixedFP8 is not compiled under LibTorch 1.13.)
-template <class Tensorwise, class Delayed>
+template <class Tensorwise, class Delayed, class Rowwise>
 void add_fp8_rows(std::vector<Row>& rows, const Setup& s) {
   if constexpr (mp::has_fp8) {
     rows.push_back(row<mp::MixedFP8<Tensorwise>>("MixedFP8 tensorwise", "fp8", s));
     rows.push_back(row<mp::MixedFP8<Delayed>>("MixedFP8 delayed", "", s));
-    // Rowwise (branch `rowwise`): rows.push_back(row<mp::MixedFP8<mp::RowwiseScaling>>("MixedFP8 rowwise", "", s));
+    rows.push_back(row<mp::MixedFP8<Rowwise>>("MixedFP8 rowwise", "fp8_rowwise", s));
   }
 }
 
@@ -276,7 +276,7 @@ std::vector<Row> rows_for(const Setup& s) {
   rows.push_back(row<mp::MixedO2<Bf16>>("MixedO2<BFloat16>", "", s));
   rows.push_back(row<mp::MixedO2<at::Half>>("MixedO2<Half>", "", s));
   rows.push_back(row<mp::PureHalf<Bf16>>("PureHalf<BFloat16>", "", s));
-  add_fp8_rows<mp::TensorwiseScaling, mp::DelayedScaling<>>(rows, s);
+  add_fp8_rows<mp::TensorwiseScaling, mp::DelayedScaling<>, mp::RowwiseScaling>(rows, s);
   rows.push_back(row<mp::MixedO2<Bf16>>("MixedO2<BFloat16> + checkpointing", "", s, true));
   rows.push_back(row<mp::MixedO2<Bf16, mp::RemainderMasters<Bf16>>>(
       "MixedO2<BFloat16, RemainderMasters<BFloat16>>", "", s));

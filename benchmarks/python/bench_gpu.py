@@ -83,13 +83,16 @@ def main(device, d, heads, seq, batch, warmup, steps, seed, threads):
         if mode == "tf32" and not cuda:
             return "skip TF32 is CUDA's"
         model = copy.deepcopy(net)
-        if mode == "fp8":
+        if mode in ("fp8", "fp8_rowwise"):
             try:
+                import dataclasses
                 from torchao.float8 import Float8LinearConfig, convert_to_float8_training
             except ImportError as e:
                 return f"skip no torchao ({e})"
+            recipe = "tensorwise" if mode == "fp8" else "rowwise"
+            config = dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), emulate=not cuda)
             # Every dimension here is a multiple of 16, as torchao's fp8 matmuls need.
-            convert_to_float8_training(model, config=Float8LinearConfig(emulate=not cuda))
+            convert_to_float8_training(model, config=config)
         if cuda:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
@@ -100,7 +103,8 @@ def main(device, d, heads, seq, batch, warmup, steps, seed, threads):
             optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
         except (RuntimeError, TypeError):
             optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}.get(mode)
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16,
+                 "fp8_rowwise": torch.bfloat16}.get(mode)
         scaler = torch.amp.GradScaler(device) if mode == "fp16" else None
         times = []
         for k in range(warmup + steps):
