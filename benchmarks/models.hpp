@@ -18,6 +18,7 @@
 #include <functional>
 #include <limits>
 #include <memory>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -33,7 +34,25 @@ inline torch::nn::Sequential mlp(int depth, int width) {
   return net;
 }
 
-inline std::int64_t parameter_count(torch::nn::Module& net) {
+/// mlp with each Linear declared as mixprec::nn::Mappable<torch::nn::Linear>, which computes as
+/// the Linear: the same model, but its layers can be ZeRO-3's units (mlp_unit_paths).
+inline torch::nn::Sequential mlp_units(int depth, int width) {
+  torch::nn::Sequential net;
+  for (int i = 0; i < depth; ++i) {
+    net->push_back(mixprec::nn::Mappable<torch::nn::Linear>(width, width));
+    net->push_back(torch::nn::ReLU());
+  }
+  return net;
+}
+
+/// The paths of mlp_units' Linear layers ("0", "2", ...): DistributedOptions::shard_parameters.
+inline std::vector<std::string> mlp_unit_paths(int depth) {
+  std::vector<std::string> paths;
+  for (int i = 0; i < depth; ++i) paths.push_back(std::to_string(2 * i));
+  return paths;
+}
+
+inline std::int64_t parameter_count(const torch::nn::Module& net) {
   std::int64_t n = 0;
   for (const auto& p : net.parameters()) n += p.numel();
   return n;
