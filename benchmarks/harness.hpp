@@ -167,8 +167,10 @@ inline void print_table(std::string_view title, const std::vector<Variant>& vari
               static_cast<int>(title.size()), title.data(), variants.front().name.c_str());
   for (std::size_t v = 0; v < variants.size(); ++v) {
     const auto ratio = paired_ratio(ms[v], ms.front());
-    std::printf("| %s | %.3f | %.2f | %s |\n", variants[v].name.c_str(), median(ms[v]),
-                ratio.median, iqr(ratio, 2).c_str());
+    // Two decimals, or two significant digits below 0.01: a stall of the baseline in one
+    // repetition must not print a positive ratio as 0.00.
+    std::printf(ratio.median >= 0.01 ? "| %s | %.3f | %.2f | %s |\n" : "| %s | %.3f | %.2g | %s |\n",
+                variants[v].name.c_str(), median(ms[v]), ratio.median, iqr(ratio, 2).c_str());
   }
   std::fflush(stdout);
 }
