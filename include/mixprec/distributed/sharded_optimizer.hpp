@@ -115,7 +115,11 @@ class ShardedOptimizer {
     }
     const auto first_bucket = layout.buckets().size();
     std::vector<BucketRange> ranges(units);
-    for (std::size_t k = units + 1; k-- > 0;) {
+    // Buckets launch in order: the tensors outside the units (an encoder's embeddings, whose
+    // gradient comes last) must not come first, or no unit's bucket is reduced, and freed,
+    // before the backward pass ends.
+    for (std::size_t n = 0; n <= units; ++n) {
+      const auto k = n < units ? units - 1 - n : units;
       const auto range = reducer_.lay_out(by_unit[k], by_unit[k]);
       layout.slice(range, comm_.world_size());
       if (k < units) ranges[k] = range;
