@@ -91,11 +91,15 @@ class GradientReducer {
 
   /// Lays out `params` after the existing buckets and allocates every bucket's buffer in the
   /// reduced dtype, on their device.
-  BucketRange lay_out(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& holders) {
+  /// `allocate` false: the caller lays out more and allocates once (allocate_flats).
+  BucketRange lay_out(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& holders,
+                      bool allocate = true) {
     auto& s = *state_;
     const auto range = s.layout.lay_out(params, holders, caps_);
-    allocate_flats(at::TensorOptions(s.reduce_dtype)
-                       .device(params.empty() ? s.comm.device() : params.front().device()));
+    if (allocate) {
+      allocate_flats(at::TensorOptions(s.reduce_dtype)
+                         .device(params.empty() ? s.comm.device() : params.front().device()));
+    }
     return range;
   }
 

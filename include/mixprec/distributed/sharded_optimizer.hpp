@@ -120,7 +120,7 @@ class ShardedOptimizer {
     // before the backward pass ends.
     for (std::size_t n = 0; n <= units; ++n) {
       const auto k = n < units ? units - 1 - n : units;
-      const auto range = reducer_.lay_out(by_unit[k], by_unit[k]);
+      const auto range = reducer_.lay_out(by_unit[k], by_unit[k], /*allocate=*/false);
       layout.slice(range, comm_.world_size());
       if (k < units) ranges[k] = range;
     }
