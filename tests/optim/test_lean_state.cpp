@@ -183,6 +183,18 @@ TEST_CASE("stochastic rounding: between the two neighbours, unbiased, and the sa
     auto out2 = at::empty_like(out);
     mp::detail::aten_stochastic_round(in, out2, mp::detail::rounding_key(0, 0, 0));
     CHECK(torch::equal(out.view(at::kShort), out2.view(at::kShort)));
+    // A slice told where it starts (a rank's piece, sharded) rounds as in the whole tensor;
+    // told nothing, it rounds otherwise.
+    const std::int64_t from = 33333, count = 4567;
+    const auto slice = in.narrow(0, from, count).clone();
+    auto part = at::empty({count}, at::kBFloat16), part2 = at::empty_like(part);
+    mp::detail::stochastic_round(slice, part, mp::detail::rounding_key(0, 0, 0), from);
+    mp::detail::aten_stochastic_round(slice, part2, mp::detail::rounding_key(0, 0, 0), from);
+    const auto whole = out.narrow(0, from, count).view(at::kShort);
+    CHECK(torch::equal(part.view(at::kShort), whole));
+    CHECK(torch::equal(part2.view(at::kShort), whole));
+    mp::detail::stochastic_round(slice, part, mp::detail::rounding_key(0, 0, 0));
+    CHECK_FALSE(torch::equal(part.view(at::kShort), whole));
   }
   SUBCASE("one element over 10^5 steps") {
     const auto in = at::full({1}, -x);

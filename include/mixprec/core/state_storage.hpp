@@ -135,6 +135,20 @@ inline constexpr bool lean_state =
     storage_of<P>::masters == MasterStorage::stochastic ||
     storage_of<P>::moment_dtype != c10::ScalarType::Float;
 
+/// What sharded data parallel keeps of the optimizer's pieces that are masters of bf16 tensors.
+struct PieceStorage {
+  MasterStorage masters = MasterStorage::fp32;
+  bool bf16_moments = false;  ///< Adam's and AdamW's moments rounded to bf16 between steps
+  bool lean_masters() const noexcept {
+    return masters == MasterStorage::remainder || masters == MasterStorage::stochastic;
+  }
+};
+
+/// P's PieceStorage.
+template <class P>
+inline constexpr PieceStorage piece_storage_of{storage_of<P>::masters,
+                                               storage_of<P>::moment_dtype == c10::ScalarType::BFloat16};
+
 }  // namespace detail
 
 }  // namespace mixprec

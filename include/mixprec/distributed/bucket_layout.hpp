@@ -36,6 +36,9 @@ struct Slot {
   std::int64_t piece_from = 0;
   bool copy = false;
   bool unit = false;  // its bytes are released between uses (a ZeRO-3 unit's)
+  // Under a lean storage (lean_pieces.hpp), a piece that is a master holds data only for a step
+  // or a checkpoint; between them its bf16 value is here (undefined: the piece is its value).
+  at::Tensor low = {};
   std::size_t group = 0;
   std::size_t index = 0;
 };

@@ -106,16 +106,23 @@ class DataParallel final : public detail::StepGroup {
   /// ZeRO-3: the units' tensors in buckets of their own, whose pieces are fp32 copies, and
   /// their weights released until a unit runs.
   void shard(torch::optim::Optimizer& optimizer,
-             const std::vector<std::pair<at::Tensor, at::Tensor>>& fresh, bool copies) override {
+             const std::vector<std::pair<at::Tensor, at::Tensor>>& fresh, bool copies,
+             detail::PieceStorage storage) override {
     if (!shards_parameters()) {
-      shards_.shard(optimizer, fresh, copies);
+      shards_.shard(optimizer, fresh, copies, storage);
       return;
     }
     MIXPREC_CHECK(units_.empty(), "DistributedOptions::shard_parameters: the units are laid "
                   "out once, when the Trainer is built; a later param group cannot join them");
-    const auto ranges = shards_.shard(optimizer, fresh, copies, &plan_.unit_of, plan_.paths.size());
+    const auto ranges = shards_.shard(optimizer, fresh, copies, storage, &plan_.unit_of,
+                                      plan_.paths.size());
     units_.take(plan_, ranges);
   }
+  detail::LeanMasters* lean_rounding() noexcept override { return shards_.lean_rounding(); }
+  void inflate_pieces() override { shards_.inflate_pieces(); }
+  void release_pieces(bool narrow) override { shards_.release_pieces(narrow); }
+  void stow_loaded_pieces() override { shards_.stow_loaded_pieces(); }
+  std::int64_t lean_bytes(bool weights) const override { return shards_.lean_bytes(weights); }
 
   bool shards_parameters() const noexcept override { return !options_.shard_parameters().empty(); }
   void gather_units() override { units_.gather_all(); }

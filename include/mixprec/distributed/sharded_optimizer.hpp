@@ -9,12 +9,14 @@
 //
 // ZeRO-3 extends this room: its units are BucketRanges whose pieces are the parameters' only
 // storage; gather_into_model(range) before a unit's forward and again for its backward, the
-// model's full tensors freed after each.
+// model's full tensors freed after each. Under a lean storage its masters are LeanPieces.
 
 #include <mixprec/distributed/agreement.hpp>
 #include <mixprec/distributed/bucket_layout.hpp>
 #include <mixprec/distributed/collectives.hpp>
 #include <mixprec/distributed/gradient_reducer.hpp>
+#include <mixprec/distributed/lean_pieces.hpp>
+#include <mixprec/optim/lean_moments.hpp>
 #include <mixprec/optim/sharded_state.hpp>
 #include <mixprec/core/tensor_set.hpp>
 #include <mixprec/core/error.hpp>
@@ -25,6 +27,8 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <optional>
+#include <set>
 #include <tuple>
 #include <unordered_map>
 #include <utility>
@@ -47,10 +51,11 @@ class ShardedOptimizer {
   /// element in this rank's slices leaves the optimizer. Every other tensor the optimizer holds
   /// must be a piece already. Collective; the reducer's bind() hooks the gradients next.
   /// `unit_of` (ZeRO-3): the unit of each tensor that is in one, of `unit_count`; returns each
-  /// unit's buckets, its tensors' pieces are always copies.
+  /// unit's buckets, its tensors' pieces are always copies. `storage`: a lean one keeps the
+  /// copies of bf16 tensors as LeanPieces.
   std::vector<BucketRange> shard(torch::optim::Optimizer& optimizer,
                                  const std::vector<std::pair<at::Tensor, at::Tensor>>& fresh,
-                                 bool copies,
+                                 bool copies, PieceStorage storage = {},
                                  const std::unordered_map<const void*, std::size_t>* unit_of = nullptr,
                                  std::size_t unit_count = 0) {
     static const std::unordered_map<const void*, std::size_t> no_units;
@@ -142,6 +147,21 @@ class ShardedOptimizer {
         piece_slot_[slot.piece.unsafeGetTensorImpl()] = i;
       }
     }
+    // The masters of bf16 tensors, numbered as MasterWeights numbers them (the optimizer's
+    // order, on every rank: those without a piece of a tensor count it too).
+    storage_ = storage;
+    if (storage.lean_masters() && !lean_) lean_.emplace(storage.masters);
+    for (const auto& group : order) {
+      for (const auto i : group) {
+        const auto& t = fresh[i].first;
+        if (!copies || t.scalar_type() != at::kBFloat16) continue;
+        const auto s = layout.find(t);
+        const auto number = lean_count_++;
+        if (!layout.slots()[s].piece.defined()) continue;
+        low_moments_.push_back(s);
+        if (lean_) lean_->add(layout, s, number);
+      }
+    }
     reducer_.allocate_flats(at::TensorOptions(at::kFloat).device(comm_.device()));
     for (std::size_t g = 0; g < order.size(); ++g) {
       std::vector<at::Tensor> pieces;
@@ -162,11 +182,43 @@ class ShardedOptimizer {
   /// After an optimizer step: every rank's updated pieces, rounded to the model's dtype, into
   /// every rank's model (one all_gather per bucket, in the model's dtype where the bucket holds
   /// one).
-  /// A unit's (ZeRO-3) are gathered when it next runs.
+  /// A unit's (ZeRO-3) are gathered when it next runs. Lean pieces are stowed first, rounded.
   void gather_parameters() {
     if (!reducer_.sharded()) return;
+    if (lean_) lean_->stow(reducer_.layout(), /*stepped=*/true);
     at::NoGradGuard no_grad;
     gather_into_model(reducer_.layout().all());
+  }
+
+  /// A lean storage's pieces (null: none), their rounding's seed and count.
+  LeanMasters* lean_rounding() noexcept { return lean_ ? &lean_->rounding() : nullptr; }
+  /// Lean pieces: every piece's fp32 value, for a step or a checkpoint (and its moments fp32,
+  /// for a step).
+  void inflate_pieces() {
+    if (lean_) lean_->inflate(reducer_.layout());
+  }
+  /// Lean pieces: the fp32 values dropped unwritten; `narrow`: the moments of bf16 tensors'
+  /// masters rounded to bf16, where the storage keeps them so (after a step).
+  void release_pieces(bool narrow) {
+    if (lean_) lean_->release(reducer_.layout());
+    if (narrow) narrow_moments();
+  }
+  /// After a load into the pieces' fp32 values and fp32 moments: stowed, moments narrowed.
+  void stow_loaded_pieces() {
+    if (lean_) lean_->stow(reducer_.layout(), /*stepped=*/false);
+    narrow_moments();
+  }
+  /// Bytes a lean storage keeps beyond the model's tensors: ZeRO-3 units' bf16 pieces
+  /// (`weights`), remainders (the rest).
+  std::int64_t lean_bytes(bool weights) const {
+    if (!lean_) return 0;
+    const auto units = lean_->unit_bytes(reducer_.layout());
+    return weights ? units : lean_->kept_bytes(reducer_.layout()) - units;
+  }
+
+  /// A piece's value in the model's dtype where a lean storage keeps it so, else the piece.
+  static const at::Tensor& model_value(const Slot& slot) {
+    return slot.low.defined() ? slot.low : slot.piece;
   }
 
   /// Sums the clipping norm's parts over the ranks (each holds those of its slices).
@@ -203,14 +255,24 @@ class ShardedOptimizer {
   }
 
  private:
+  // The moments of the masters of bf16 tensors rounded to bf16, where the storage keeps them so.
+  void narrow_moments() {
+    if (!storage_.bf16_moments || low_moments_.empty()) return;
+    using States = std::decay_t<decltype(optimizer_->state())>;
+    std::set<typename States::key_type> low;
+    for (const auto i : low_moments_) {
+      low.insert(state_key<States>(reducer_.layout().slots()[i].piece));
+    }
+    detail::narrow_moments(*optimizer_, [&low](const auto& key) { return low.count(key) == 1; });
+  }
+
   // The pieces of the buckets in `range` into the model's tensors.
   void gather_into_model(const BucketRange& range) {
     const auto& layout = reducer_.layout();
     for (auto b = range.first; b < range.last; ++b) {
       const auto& bucket = layout.buckets()[b];
       if (layout.slots()[bucket.slots.front()].unit) continue;
-      const auto full = gather_slices(bucket, layout.common_dtype(bucket),
-                                      [](const Slot& slot) { return slot.piece; });
+      const auto full = gather_slices(bucket, layout.common_dtype(bucket), model_value);
       for (const auto i : bucket.slots) {
         const auto& slot = layout.slots()[i];
         slot.param.detach().view({-1}).copy_(full.narrow(0, slot.offset, slot.param.numel()));
@@ -223,6 +285,10 @@ class ShardedOptimizer {
   torch::optim::Optimizer* optimizer_ = nullptr;
   std::vector<std::vector<at::Tensor>> groups_;
   std::unordered_map<const void*, std::size_t> piece_slot_;  // the slot of each piece
+  PieceStorage storage_;
+  std::optional<LeanPieces> lean_;         // a lean storage's
+  std::vector<std::size_t> low_moments_;   // slots whose pieces are masters of bf16 tensors
+  std::uint64_t lean_count_ = 0;           // bf16 tensors numbered so far
 };
 
 }  // namespace mixprec::detail

@@ -157,7 +157,7 @@ class ShardedUnits {
       for (auto b = unit.range.first; b < unit.range.last; ++b) {
         const auto& bucket = layout.buckets()[b];
         const auto full = shards.gather_slices(bucket, layout.common_dtype(bucket),
-                                               [](const Slot& slot) { return slot.piece; });
+                                               ShardedOptimizer::model_value);
         for (const auto i : bucket.slots) {
           const auto& slot = layout.slots()[i];
           allocate_storage(slot.param);

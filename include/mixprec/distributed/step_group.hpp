@@ -4,6 +4,8 @@
 // program that trains in one process compiles without c10d; TrainerOptions::distributed(...)
 // takes DistributedOptions, whose header brings c10d and the factory below with it.
 
+#include <mixprec/core/state_storage.hpp>
+
 #include <ATen/core/Tensor.h>
 #include <c10/core/Device.h>
 
@@ -24,6 +26,8 @@ namespace mixprec {
 struct DistributedOptions;  // mixprec/distributed.hpp
 
 namespace detail {
+
+class LeanMasters;  // optim/lean_masters.hpp
 
 class StepGroup {
  public:
@@ -66,9 +70,19 @@ class StepGroup {
   virtual bool sharded() const noexcept { return false; }
   /// Lays out the optimizer's tensors that `fresh` lists ((model tensor, its fp32 value before
   /// the cast: needed where `copies` and the tensor is not fp32)) and puts this rank's pieces
-  /// of them in their place in the optimizer. Collective.
+  /// of them in their place in the optimizer, kept as `storage` says. Collective.
   virtual void shard(torch::optim::Optimizer&, const std::vector<std::pair<at::Tensor, at::Tensor>>&,
-                     bool /*copies*/) {}
+                     bool /*copies*/, PieceStorage /*storage*/) {}
+  /// A lean storage of the pieces (lean_pieces.hpp): its rounding's seed and count (null:
+  /// none); every piece's fp32 value for a step or a checkpoint, and dropped unwritten after
+  /// (`narrow`: after a step, the bf16 tensors' moments rounded to bf16 where the storage keeps
+  /// them so); after a load into the pieces, stowed. Bytes kept beyond the model's tensors:
+  /// ZeRO-3 units' bf16 pieces (`weights`), or the remainders.
+  virtual LeanMasters* lean_rounding() noexcept { return nullptr; }
+  virtual void inflate_pieces() {}
+  virtual void release_pieces(bool /*narrow*/) {}
+  virtual void stow_loaded_pieces() {}
+  virtual std::int64_t lean_bytes(bool /*weights*/) const { return 0; }
   /// After a micro-batch whose gradients did not travel: they join the step's accumulation.
   virtual void accumulate() {}
   /// After an optimizer step: every rank's updated pieces into every rank's model. Collective.

@@ -86,12 +86,13 @@ inline std::uint32_t rounding_key(std::uint64_t seed, std::uint64_t step, std::u
 // NaN becomes bf16's quiet NaN; the largest values may round up to inf, as they should.
 MIXPREC_ALWAYS_INLINE inline void stochastic_round_loop(const std::uint32_t* in,
                                                         std::uint16_t* out, std::int64_t begin,
-                                                        std::int64_t end, std::uint32_t key) {
+                                                        std::int64_t end, std::uint32_t key,
+                                                        std::int64_t first = 0) {
   for (std::int64_t i = begin; i < end; ++i) {
     const std::uint32_t bits = in[i];
     const bool finite = (bits & 0x7f800000U) != 0x7f800000U;
     const bool nan = (bits & 0x7fffffffU) > 0x7f800000U;
-    const std::uint32_t noise = hash32(static_cast<std::uint32_t>(i) ^ key) >> 16;
+    const std::uint32_t noise = hash32(static_cast<std::uint32_t>(i + first) ^ key) >> 16;
     const std::uint32_t rounded = (bits + (finite ? noise : 0U)) >> 16;
     out[i] = static_cast<std::uint16_t>(nan ? kBf16QuietNan : rounded);
   }
@@ -120,13 +121,14 @@ MIXPREC_ALWAYS_INLINE inline void stochastic_round_loop(const std::uint32_t* in,
 }
 [[gnu::target("avx2")]] inline void stochastic_round_loop_avx2(const std::uint32_t* in,
                                                                std::uint16_t* out, std::int64_t b,
-                                                               std::int64_t e, std::uint32_t key) {
-  stochastic_round_loop(in, out, b, e, key);
+                                                               std::int64_t e, std::uint32_t key,
+                                                               std::int64_t first) {
+  stochastic_round_loop(in, out, b, e, key, first);
 }
 [[gnu::target("avx512f,avx512bw")]] inline void stochastic_round_loop_avx512(
     const std::uint32_t* in, std::uint16_t* out, std::int64_t b, std::int64_t e,
-    std::uint32_t key) {
-  stochastic_round_loop(in, out, b, e, key);
+    std::uint32_t key, std::int64_t first) {
+  stochastic_round_loop(in, out, b, e, key, first);
 }
 #endif
 
@@ -183,9 +185,10 @@ inline void aten_join(const at::Tensor& bf16, const at::Tensor& rem,
 }
 
 /// stochastic_round_loop through ATen integer ops (any device).
-inline void aten_stochastic_round(const at::Tensor& in, at::Tensor& out, std::uint32_t key) {
+inline void aten_stochastic_round(const at::Tensor& in, at::Tensor& out, std::uint32_t key,
+                                  std::int64_t first = 0) {
   const auto mask = i64(0xffffffff);
-  auto x = at::arange(in.numel(), in.options().dtype(at::kLong)).bitwise_and(mask)
+  auto x = at::arange(first, first + in.numel(), in.options().dtype(at::kLong)).bitwise_and(mask)
                .bitwise_xor(static_cast<std::int64_t>(key));
   const auto shr = [](const at::Tensor& v, int s) { return v.bitwise_right_shift(s); };
   x = x.bitwise_xor(shr(x, 16));
@@ -258,21 +261,24 @@ inline void join_master(const at::Tensor& bf16, const at::Tensor& rem,
   for (const auto i : down_ties) m[i] += 0x10000U;
 }
 
-/// `in` (fp32, contiguous) rounded stochastically into `out` (bf16, contiguous) with `key`.
-inline void stochastic_round(const at::Tensor& in, at::Tensor& out, std::uint32_t key) {
+/// `in` (fp32, contiguous) rounded stochastically into `out` (bf16, contiguous) with `key`;
+/// `first`: the index of in's first element in its whole tensor (a rank's slice of it rounds
+/// as the whole tensor would).
+inline void stochastic_round(const at::Tensor& in, at::Tensor& out, std::uint32_t key,
+                             std::int64_t first = 0) {
   check_lean_operands(in, out, at::Tensor());
-  if (!in.device().is_cpu()) return aten_stochastic_round(in, out, key);
+  if (!in.device().is_cpu()) return aten_stochastic_round(in, out, key, first);
   const auto* x = words<const std::uint32_t>(in);
   auto* y = words<std::uint16_t>(out);
   at::parallel_for(0, in.numel(), kGrainSize, [&](std::int64_t b, std::int64_t e) {
 #ifdef MIXPREC_X86_DISPATCH
     switch (cpu_isa()) {
-      case Isa::avx512: return stochastic_round_loop_avx512(x, y, b, e, key);
-      case Isa::avx2: return stochastic_round_loop_avx2(x, y, b, e, key);
+      case Isa::avx512: return stochastic_round_loop_avx512(x, y, b, e, key, first);
+      case Isa::avx2: return stochastic_round_loop_avx2(x, y, b, e, key, first);
       case Isa::base: break;
     }
 #endif
-    stochastic_round_loop(x, y, b, e, key);
+    stochastic_round_loop(x, y, b, e, key, first);
   });
 }
 

@@ -19,6 +19,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <limits>
+#include <optional>
 #include <vector>
 
 namespace mixprec::detail {
@@ -32,15 +33,20 @@ class LeanMasters {
 
   MasterStorage storage() const noexcept { return storage_; }
 
-  /// Takes the pair (`model`: bf16, `master`: its fp32 master, holding data) as index `index`
+  /// Takes the pair (`model`: bf16, `master`: its fp32 master, holding data) as the next index
   /// (indices are consecutive from 0); then stows it: the model keeps its value under
   /// StochasticRounding (already the master rounded to nearest), the remainder is split off
-  /// under RemainderMasters.
-  void add(const at::Tensor& model, at::Tensor& master) {
+  /// under RemainderMasters. Its stochastic roundings take their bits as those of tensor
+  /// `tensor` (default: its index) from element `first` on: a rank's slice of a tensor
+  /// (sharded data parallel) rounds as the whole tensor does unsharded.
+  void add(const at::Tensor& model, at::Tensor& master,
+           std::optional<std::uint64_t> tensor = std::nullopt, std::int64_t first = 0) {
     MIXPREC_CHECK(model.scalar_type() == at::kBFloat16, "lean master weights are for bf16 "
                   "model tensors; a tensor of shape ", model.sizes(), " is ",
                   model.scalar_type());
     entries_.push_back({});
+    entries_.back().tensor = tensor.value_or(entries_.size() - 1);
+    entries_.back().first = first;
     stow_one(entries_.size() - 1, model, master, /*stepped=*/false);
   }
 
@@ -91,7 +97,7 @@ class LeanMasters {
         e.down_ties = split_master(value, low, rem);
         e.remainder = rem;
       } else {
-        stochastic_round(value, low, rounding_key(seed_, rounds_, index));
+        stochastic_round(value, low, rounding_key(seed_, rounds_, e.tensor), e.first);
       }
       if (!low.is_same(model)) model.detach().copy_(low);
     }
@@ -116,7 +122,8 @@ class LeanMasters {
   };
   InPlace in_place(std::size_t index) {
     auto& e = entries_.at(index);
-    return {e.remainder, &e.down_ties, rounding_key(seed_, rounds_, index)};
+    TORCH_INTERNAL_ASSERT(e.first == 0, "the one-pass step rounds whole tensors");
+    return {e.remainder, &e.down_ties, rounding_key(seed_, rounds_, e.tensor)};
   }
 
   /// After the stow of a step taken: the next step rounds with other bits.
@@ -144,6 +151,8 @@ class LeanMasters {
     at::Tensor remainder;                 // RemainderMasters: int16, the model's shape
     std::vector<std::int64_t> down_ties;  // its ties that rounded down (remainder +32768)
     bool inflated = true;                 // added with data
+    std::uint64_t tensor = 0;             // whose rounding bits (rounding_key)
+    std::int64_t first = 0;               // its first element's index in that tensor
   };
 
   MasterStorage storage_;

@@ -41,17 +41,22 @@ class Trainer;
 
 namespace detail {
 
-// ZeRO-3: the units' weights whole while a checkpoint reads or writes the model (collective).
-class WholeUnits {
+// Sharded, while a checkpoint reads or writes: ZeRO-3's units' weights whole (collective), and
+// lean pieces holding their fp32 values (a load stows what it wrote; else they are dropped).
+class WholeState {
  public:
-  explicit WholeUnits(StepGroup* group) : group_(group) {
-    if (group_ != nullptr) group_->gather_units();
+  explicit WholeState(StepGroup* group) : group_(group) {
+    if (group_ == nullptr) return;
+    group_->gather_units();
+    group_->inflate_pieces();
   }
-  ~WholeUnits() {
-    if (group_ != nullptr) group_->release_units();
+  ~WholeState() {
+    if (group_ == nullptr) return;
+    group_->release_pieces(/*narrow=*/false);
+    group_->release_units();
   }
-  WholeUnits(const WholeUnits&) = delete;
-  WholeUnits& operator=(const WholeUnits&) = delete;
+  WholeState(const WholeState&) = delete;
+  WholeState& operator=(const WholeState&) = delete;
 
  private:
   StepGroup* group_;
@@ -72,7 +77,7 @@ class TrainerCheckpoints {
   /// masters of all ranks first (for the time of the save, the memory of an unsharded run).
   void save(const std::string& path, const UserValues& user = {}) const {
     check_saveable(user);
-    const WholeUnits whole(self().data_parallel_.get());
+    const WholeState whole(self().data_parallel_.get());
     const auto rngs = gather_rngs(self().data_parallel_.get());
     const auto view = consolidated(/*values=*/true, /*state=*/true);
     write_on_rank0(self().data_parallel_.get(), path, [&] {
@@ -102,7 +107,7 @@ class TrainerCheckpoints {
   /// calls it, and every rank's archive holds all ranks' RNG states.
   void save(torch::serialize::OutputArchive& archive, const UserValues& user = {}) const {
     check_saveable(user);
-    const WholeUnits whole(self().data_parallel_.get());
+    const WholeState whole(self().data_parallel_.get());
     const auto rngs = gather_rngs(self().data_parallel_.get());
     const auto view = consolidated(/*values=*/true, /*state=*/true);
     try {
@@ -126,7 +131,7 @@ class TrainerCheckpoints {
   /// ones in fp32). What an fp32 model for inference or another framework takes.
   /// Sharded: gathered from every rank's masters; collective (every rank calls it).
   torch::OrderedDict<std::string, at::Tensor> fp32_state_dict() const {
-    const WholeUnits whole(self().data_parallel_.get());
+    const WholeState whole(self().data_parallel_.get());
     const auto view = consolidated(/*values=*/true, /*state=*/false);
     return detail::fp32_state_dict(*self().model_, masters_of(view));
   }
@@ -156,7 +161,7 @@ class TrainerCheckpoints {
   /// Sharded: collective, as fp32_state_dict().
   void save_fp32(const std::string& path, WeightsFormat format = WeightsFormat::libtorch) const {
     self().check_not_busy("save_fp32");
-    const WholeUnits whole(self().data_parallel_.get());
+    const WholeState whole(self().data_parallel_.get());
     const auto view = consolidated(/*values=*/true, /*state=*/false);
     detail::save_fp32(path, format, *self().model_, masters_of(view));
   }
@@ -212,7 +217,7 @@ class TrainerCheckpoints {
     write_state(archive, parts(view), t.counters_, c10::IValue(t.scaler_.state_dict()), rngs,
                 user);
     if constexpr (fp8_policy<P>) archive.write("mixprec.fp8", c10::IValue(t.fp8_.state_dict()));
-    if (const auto* lean = t.tensors_.masters() ? t.tensors_.masters()->lean() : nullptr) {
+    if (const auto* lean = t.tensors_.lean()) {
       archive.write("mixprec.rounding",
                     at::tensor({static_cast<std::int64_t>(lean->seed()),
                                 static_cast<std::int64_t>(lean->rounds())}, at::kLong));
@@ -243,7 +248,7 @@ class TrainerCheckpoints {
     auto& t = self();
     t.check_not_busy("load");
     t.adopt_optimizer_changes();
-    const WholeUnits whole(t.data_parallel_.get());
+    const WholeState whole(t.data_parallel_.get());
     return voted_load(t.data_parallel_.get(), source, [&](auto& commit) {
       return checked_or_error(source, [&] { return load_checked_with(commit); });
     });
@@ -271,6 +276,7 @@ class TrainerCheckpoints {
     if (view) {  // sharded: read into the full view, then each rank takes its slices
       apply_state(loaded, *view->optimizer);
       t.data_parallel_->scatter_state(*view->optimizer);
+      t.data_parallel_->stow_loaded_pieces();
     } else {
       LeanLoad<P> lean(t.tensors_.masters(), *t.optimizer_);  // the masters' values land in fp32 data
       apply_state(loaded, *t.optimizer_);

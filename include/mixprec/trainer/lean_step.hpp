@@ -7,6 +7,7 @@
 #include <mixprec/core/compat.hpp>
 #include <mixprec/core/error.hpp>
 #include <mixprec/core/state_storage.hpp>
+#include <mixprec/distributed/step_group.hpp>
 #include <mixprec/optim/lean_moments.hpp>
 #include <mixprec/optim/master_weights.hpp>
 
@@ -49,11 +50,25 @@ inline void narrow_low_moments(torch::optim::Optimizer& optimizer, const MasterW
 template <class P>
 class LeanStep {
  public:
-  /// `inflate` false: a one-pass step reads and writes what the storage keeps.
-  LeanStep(MasterWeights* masters, torch::optim::Optimizer& optimizer, bool inflate = true)
-      : masters_(masters), optimizer_(optimizer) {
+  /// `inflate` false: a one-pass step reads and writes what the storage keeps. `group`:
+  /// sharded, its pieces are the masters (ShardedOptimizer::gather_parameters stows them after
+  /// a step taken).
+  LeanStep(MasterWeights* masters, torch::optim::Optimizer& optimizer, bool inflate = true,
+           StepGroup* group = nullptr)
+      : masters_(masters), optimizer_(optimizer),
+        group_(group != nullptr && group->sharded() ? group : nullptr) {
     if constexpr (lean_state<P>) {
-      if (masters_ == nullptr || !inflate) return;  // sharded: refused at construction
+      if (group_ != nullptr) {
+        try {
+          group_->inflate_pieces();
+          widen_moments(optimizer_);
+        } catch (...) {
+          group_->release_pieces(/*narrow=*/false);
+          throw;
+        }
+        return;
+      }
+      if (masters_ == nullptr || !inflate) return;
       try {
         masters_->inflate();
         if constexpr (narrow_moments_of<P>) widen_moments(optimizer_);
@@ -68,6 +83,13 @@ class LeanStep {
 
   ~LeanStep() {
     if constexpr (lean_state<P>) {
+      if (group_ != nullptr) {
+        try {
+          group_->release_pieces(/*narrow=*/true);
+        } catch (...) {  // out of memory: the moments stay fp32, their values right
+        }
+        return;
+      }
       if (masters_ == nullptr) return;
       masters_->release();
       if constexpr (narrow_moments_of<P>) {
@@ -82,6 +104,7 @@ class LeanStep {
  private:
   MasterWeights* masters_;
   torch::optim::Optimizer& optimizer_;
+  StepGroup* group_;
 };
 
 /// Around a checkpoint's load: the masters inflated, so that the loaded values land in them,

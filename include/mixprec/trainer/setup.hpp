@@ -87,8 +87,8 @@ void check_fused(const TrainerOptions& options, const torch::optim::Optimizer& o
   if (!options.fused_optimizer()) return;
   if constexpr (lean_pass_storage<P>) {
     // On the CPU mixprec's own one-pass kernel (optim/lean_adam.hpp) steps Adam and AdamW;
-    // elsewhere ATen's fused kernel, between the inflated masters.
-    bool cpu = true;
+    // elsewhere, and sharded, ATen's fused kernel, between the inflated masters.
+    bool cpu = !options.settings().shard_optimizer_state;
     for (const auto& t : optimizer_tensors(optimizer)) cpu = cpu && t.device().is_cpu();
     if (cpu) {
       MIXPREC_CHECK(adam_kind(optimizer).has_value(), "TrainerOptions::fused_optimizer under ",
@@ -164,13 +164,7 @@ template <class P>
 TrainerOptions checked_options(TrainerOptions options, const torch::optim::Optimizer& optimizer) {
   check_options(options);
   check_fused<P>(options, optimizer);
-  if constexpr (lean_state<P>) {
-    MIXPREC_CHECK(!options.settings().shard_optimizer_state, "Trainer<", P::name, "> with "
-                  "DistributedOptions::shard_optimizer_state: the lean state is kept per whole "
-                  "tensor, not yet per rank's slice; shard the optimizer state under "
-                  "MixedO2<at::BFloat16> (fp32 masters), or keep the lean state unsharded");
-    check_lean_optimizer<P>(optimizer);
-  }
+  if constexpr (lean_state<P>) check_lean_optimizer<P>(optimizer);
   if (options.settings().shard_optimizer_state) {
     check_shardable(optimizer);
     for (const auto& group : optimizer.param_groups()) {

@@ -88,6 +88,10 @@ inline TrainingStateBytes state_bytes(const torch::nn::Module& model, const Mast
     // piece that is a view of an fp32 parameter was counted with the weights); the pieces'
     // gradients are views of the buffers.
     for (const auto& t : group->buffers()) bytes.gradients += count.add(t);
+    // A lean storage of the pieces (their placeholders count a few bytes): ZeRO-3 units' bf16
+    // pieces are what this rank keeps of their weights; remainders are masters.
+    bytes.weights += group->lean_bytes(/*weights=*/true);
+    bytes.masters += group->lean_bytes(/*weights=*/false);
     for (const auto& g : optimizer.param_groups()) {
       for (const auto& p : g.params()) {
         bytes.masters += count.add(p);

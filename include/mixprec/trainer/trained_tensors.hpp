@@ -202,7 +202,15 @@ class TrainedTensors {
   MasterWeights* masters() noexcept { return masters_ ? &*masters_ : nullptr; }
   const MasterWeights* masters() const noexcept { return masters_ ? &*masters_ : nullptr; }
   /// The lean storage of the masters (RemainderMasters, StochasticRounding); else null.
-  LeanMasters* lean() noexcept { return masters_ ? masters_->lean() : nullptr; }
+  /// Sharded: the group's lean pieces'.
+  LeanMasters* lean() noexcept {
+    if (shards_ != nullptr) return shards_->lean_rounding();
+    return masters_ ? masters_->lean() : nullptr;
+  }
+  const LeanMasters* lean() const noexcept {
+    if (shards_ != nullptr) return shards_->lean_rounding();
+    return masters_ ? masters_->lean() : nullptr;
+  }
   /// The parameters' device types: autocast engages on each.
   const std::vector<c10::DeviceType>& device_types() const noexcept { return device_types_; }
   /// Every parameter is on the CPU.
@@ -330,7 +338,7 @@ class TrainedTensors {
                  whole ? nullptr : &fresh);
     }
     dedupe_param_groups(optimizer);
-    shards_->shard(optimizer, pairs, P::master_weights);
+    shards_->shard(optimizer, pairs, P::master_weights, piece_storage_of<P>);
     record_binding(optimizer);
   }
 

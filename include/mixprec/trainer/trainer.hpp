@@ -272,8 +272,9 @@ class Trainer : public detail::TrainerCheckpoints<P> {
     // Lean storage: fp32 masters and moments from here to the end of the optimizer step; or,
     // fused on the CPU, one pass over what it keeps, reading the model's gradients in place.
     const bool lean_pass = detail::lean_pass_storage<P> && options_.fused_optimizer() &&
-                           tensors_.cpu_only();
-    const detail::LeanStep<P> lean(masters, *optimizer_, /*inflate=*/!lean_pass);
+                           tensors_.cpu_only() && !tensors_.sharded();
+    const detail::LeanStep<P> lean(masters, *optimizer_, /*inflate=*/!lean_pass,
+                                   data_parallel_.get());
     if (lean_pass && n == 1 && !data_parallel_) masters->alias_grads();
     const auto plan = detail::plan_unscale(options_, lean_pass ? nullptr : masters, n,
                                            data_parallel_.get(), calls_, losses,
