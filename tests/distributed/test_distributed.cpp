@@ -1046,11 +1046,13 @@ mp::DistributedOptions zero_options(Rank& r, int stage) {
 // `late`: the hidden layer's param group is added before step 2 (progressive unfreezing).
 template <class P>
 ZeroRun train_zero(Rank& r, int stage, Opt kind, int accumulation, std::optional<double> clip,
-                   const std::vector<Batch>& data, std::int64_t per_rank, bool late) {
+                   const std::vector<Batch>& data, std::int64_t per_rank, bool late,
+                   bool fused = false) {
   auto net = dyadic_net(1000 + r.rank, /*extra=*/true);  // rank 0's values reach every rank
   auto optimizer = optimizer_for(net, kind, late);
   auto options = options_for<P>(accumulation).distributed(zero_options(r, stage));
   if (clip) options.max_grad_norm(*clip);
+  options.fused_optimizer(fused);
   mp::Trainer<P> trainer(net, *optimizer, options);
   ZeroRun run;
   const auto micro = per_rank / accumulation;
@@ -1083,16 +1085,16 @@ double max_relative(const std::vector<torch::Tensor>& a, const std::vector<torch
 template <class P>
 void zero_equivalence(Rank& r, Opt kind, int accumulation, std::optional<double> clip,
                       double tolerance, bool late = false, int stage = 1,
-                      bool bitwise_on_two = false) {
+                      bool bitwise_on_two = false, bool fused = false) {
   const std::int64_t per_rank = 4 * accumulation;
   const auto data = batches(6, per_rank * r.world, /*inf_step=*/3);
-  const auto plain = train_zero<P>(r, 0, kind, accumulation, clip, data, per_rank, late);
-  const auto sharded = train_zero<P>(r, stage, kind, accumulation, clip, data, per_rank, late);
+  const auto plain = train_zero<P>(r, 0, kind, accumulation, clip, data, per_rank, late, fused);
+  const auto sharded = train_zero<P>(r, stage, kind, accumulation, clip, data, per_rank, late, fused);
   const auto name = "ZeRO-" + std::to_string(stage) + " " + std::string(P::name) +
                     (kind == Opt::adamw ? " AdamW" : " SGD") +
                     " accumulation " + std::to_string(accumulation) +
                     (clip ? " clip " + std::to_string(*clip) : std::string()) +
-                    (late ? " late param group" : "");
+                    (late ? " late param group" : "") + (fused ? " fused" : "");
   RANK_EXPECT(sharded.statuses == plain.statuses, name);
   RANK_EXPECT(sharded.statuses[3] == mp::StepStatus::skipped, name);
   double params = 0;
@@ -1149,6 +1151,11 @@ void case_zero_equivalence(Rank& r) {
     zero_equivalence<Stochastic>(r, Opt::adamw, 1, std::nullopt, 1.0 / 128, false, stage, true);
   }
   zero_equivalence<Stochastic>(r, Opt::adamw, 2, 0.5, 1.0 / 128, /*late=*/true, 1, true);
+  // fused_optimizer: unsharded, the one-pass CPU kernel; sharded, ATen's fused step between
+  // the inflated slices (LibTorch >= 2.4): other arithmetic, a rounding can flip (2^-8).
+  if constexpr (mp::fused_adam_available) {
+    zero_equivalence<Stochastic>(r, Opt::adamw, 1, 0.5, 1.0 / 128, false, 2, false, /*fused=*/true);
+  }
 }
 
 // The optimizer state really is sharded: each rank holds its slices' state, about 1/world of
