@@ -1151,6 +1151,8 @@ void case_zero_equivalence(Rank& r) {
     zero_equivalence<Stochastic>(r, Opt::adamw, 1, std::nullopt, 1.0 / 128, false, stage, true);
   }
   zero_equivalence<Stochastic>(r, Opt::adamw, 2, 0.5, 1.0 / 128, /*late=*/true, 1, true);
+  using Bf16Moments = mp::MixedO2<at::BFloat16, mp::Fp32Masters<at::BFloat16>>;
+  zero_equivalence<Bf16Moments>(r, Opt::sgd, 2, 0.5, 1.0 / 128, false, 2, true);
   // fused_optimizer: unsharded, the one-pass CPU kernel; sharded, ATen's fused step between
   // the inflated slices (LibTorch >= 2.4): other arithmetic, a rounding can flip (2^-8).
   if constexpr (mp::fused_adam_available) {
@@ -1238,6 +1240,7 @@ void case_zero_memory(Rank& r) {
   zero_memory(r, 2);
   zero_memory<mp::MixedO2<at::BFloat16, mp::RemainderMasters<at::BFloat16>>>(r, 1, 2, 4);
   zero_memory<mp::PureHalf<at::BFloat16, mp::StochasticRounding<>>>(r, 2, 0, 4);
+  zero_memory<mp::MixedO2<at::BFloat16, mp::Fp32Masters<at::BFloat16>>>(r, 1, 4, 4);
 }
 
 // Rank world-1 dies before its step 3; the others throw mixprec::Error in their step 3, and
