@@ -9,6 +9,7 @@
 #define DOCTEST_CONFIG_IMPLEMENT
 #include "runner.hpp"
 #include <torch/csrc/distributed/c10d/FileStore.hpp>
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
 #include <torch/torch.h>
 
 #include <spawn.h>
@@ -2529,6 +2530,13 @@ TEST_CASE("distributed: a sparse gradient is an Error") {
                        }),
                        doctest::Contains("DataParallel reduces dense gradients"), mp::Error);
   CHECK(identical(embedding->parameters(), before));
+}
+
+TEST_CASE("distributed: nccl_group() in a LibTorch without NCCL is an Error that says so" *
+          doctest::skip(mp::nccl_available)) {
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  CHECK_THROWS_WITH_AS(mp::nccl_group(store, 0, 1), doctest::Contains("built without NCCL"),
+                       mp::Error);
 }
 
 TEST_CASE("distributed: LaunchEnvironment reads torchrun's variables, and names a bad one") {

@@ -158,10 +158,17 @@ inline c10::intrusive_ptr<ProcessGroup> gloo_group(
 #endif
 
 #ifdef MIXPREC_C10D_NCCL
+inline constexpr bool nccl_available = true;
+#else
+inline constexpr bool nccl_available = false;
+#endif
+
 /// An NCCL process group over `store` (CUDA tensors; one device per rank, usually LOCAL_RANK).
+/// Where LibTorch has no NCCL (nccl_available false: a CPU build), an Error.
 inline c10::intrusive_ptr<ProcessGroup> nccl_group(
     const c10::intrusive_ptr<c10d::Store>& store, int rank, int world_size,
     std::chrono::milliseconds timeout = std::chrono::minutes(5)) {
+#ifdef MIXPREC_C10D_NCCL
   try {
     auto options = c10d::ProcessGroupNCCL::Options::create();
     options->timeout = timeout;
@@ -170,6 +177,13 @@ inline c10::intrusive_ptr<ProcessGroup> nccl_group(
     detail::fail("rank ", rank, ": cannot create the NCCL process group of ", world_size,
                  " ranks: ", detail::message_of(e));
   }
+#else
+  (void)store;
+  (void)timeout;
+  detail::fail("rank ", rank, ": nccl_group() of ", world_size, " ranks: this LibTorch (",
+               torch_version, ") was built without NCCL (a CPU build); use gloo_group(), "
+               "or a CUDA build of LibTorch");
+#endif
 }
 
 /// nccl_group from a launch environment.
@@ -177,6 +191,5 @@ inline c10::intrusive_ptr<ProcessGroup> nccl_group(
     const LaunchEnvironment& env, std::chrono::milliseconds timeout = std::chrono::minutes(5)) {
   return nccl_group(launch_store(env, timeout), env.rank, env.world_size, timeout);
 }
-#endif
 
 }  // namespace mixprec
