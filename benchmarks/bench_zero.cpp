@@ -1,11 +1,15 @@
 // Sharded training state over Gloo on loopback, against unsharded data parallel: ZeRO-1
 // (DistributedOptions::shard_optimizer_state), ZeRO-2 (shard_gradients) and ZeRO-3
-// (shard_parameters, each Linear of the MLP a unit), under MixedO2<BFloat16> + AdamW. Per
-// configuration and world size (1, 2, 4): the bytes per parameter a rank holds between steps
+// (shard_parameters, each Linear of the MLP a unit), under MixedO2<BFloat16> + AdamW, and the
+// three stages again under the lean storages (RemainderMasters<BFloat16>, StochasticRounding<>).
+// Per configuration and world size (1, 2, 4): the bytes per parameter a rank holds between steps
 // (Trainer::state_bytes(), by kind) beside what they should be, the peak of live tensor bytes
-// during a step, and peak RSS; then the step time of each at 2 ranks against data parallel,
-// interleaved in the same two processes. The program starts its ranks itself (this binary,
-// `--rank ...`), each memory configuration in fresh processes, so that each peak is its own.
+// during a step, and peak RSS; then the step time of MixedO2's at 2 ranks against data
+// parallel, interleaved in the same two processes. The program starts its ranks itself (this
+// binary, `--rank ...`), each memory configuration in fresh processes, so that each peak is its
+// own.
+//
+//   bench_zero [--smoke] [--memory]    (--memory: the bytes table alone, no step times)
 #include "harness.hpp"
 #include "models.hpp"
 #include "counting_allocator.hpp"
@@ -21,6 +25,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstddef>
 #include <filesystem>
 #include <fstream>
@@ -28,6 +33,7 @@
 #include <memory>
 #include <sstream>
 #include <string>
+#include <string_view>
 #include <vector>
 
 extern char** environ;
@@ -43,6 +49,8 @@ constexpr int kDepth = 4;
 constexpr std::int64_t kBatch = 8;  // rows per rank and step
 // The first step makes AdamW's state; the peaks come in the later ones.
 constexpr int kMemorySteps = 3;
+// Bytes per parameter a row's state may differ from its formula by (see main).
+constexpr double kSlack = 0.01;
 
 // Stage 0: data parallel, every rank holding everything; 1-3: ZeRO's stages, each including
 // the ones before it.
@@ -113,31 +121,56 @@ std::unique_ptr<Run> make_run(const c10::intrusive_ptr<mp::ProcessGroup>& group,
   return std::make_unique<PolicyRun<P>>(group, stage, width);
 }
 
-// A row of both tables: a policy and a stage, and the bytes per parameter a rank should hold
-// between steps at N ranks (weights + gradients + masters + optimizer state).
+// A row of the bytes table: a policy and a stage, and the bytes per parameter a rank should
+// hold between steps at N ranks (weights + gradients + masters + optimizer state). `target`:
+// issue 42's bound on the state between steps (the unit being gathered comes on top), checked
+// by the program; null where none.
 struct Config {
   const char* name;
+  std::string_view policy;
   int stage;
   MakeRun make;
   const char* formula;
   double (*expected)(int world);
+  const char* target_formula = nullptr;
+  double (*target)(int world) = nullptr;
 };
 
 using Bf16 = mp::MixedO2<at::BFloat16>;
+using Remainder = mp::MixedO2<at::BFloat16, mp::RemainderMasters<at::BFloat16>>;
+using Rounded = mp::PureHalf<at::BFloat16, mp::StochasticRounding<>>;
 // Under MixedO2 the bf16 weights (2 bytes) and fp32 masters (4) with AdamW's two fp32 moments
 // (8). Gradients between steps: data parallel keeps its fp32 buckets (4; the masters' gradients
 // are views of them, the model's bf16 ones are set to none); ZeRO-1 keeps them whole too,
 // ZeRO-2 its fp32 slice of them. ZeRO-3 releases the units' weights: what stays is fp32 pieces,
-// their slice of the gradients and of AdamW's moments. A lean storage is one more line here
-// (make_run<MixedO2<BFloat16, RemainderMasters<BFloat16>>> and its formula; the target at
-// ZeRO-3 is <= 10 / N) once the Trainer takes it with sharding: on this commit that is an
-// Error (trainer/setup.hpp), which fails the row's ranks.
+// their slice of the gradients and of AdamW's moments.
+// The lean storages keep a piece's bf16 value (a view of the model's weight; under ZeRO-3 the
+// unit's own, counted as weights), no fp32 master between steps, and bf16 moments (4):
+// RemainderMasters adds the piece's 16-bit remainder (2), StochasticRounding nothing. Their
+// gradients are the same fp32 buckets or slices as MixedO2's.
 const std::vector<Config> kConfigs{
-    {"data parallel", 0, make_run<Bf16>, "2 + 4 + 4 + 8", [](int) { return 18.0; }},
-    {"ZeRO-1", 1, make_run<Bf16>, "2 + 4 + (4 + 8) / N", [](int n) { return 6.0 + 12.0 / n; }},
-    {"ZeRO-2", 2, make_run<Bf16>, "2 + (4 + 4 + 8) / N", [](int n) { return 2.0 + 16.0 / n; }},
-    {"ZeRO-3", 3, make_run<Bf16>, "(4 + 4 + 8) / N", [](int n) { return 16.0 / n; }},
+    {"data parallel", Bf16::name, 0, make_run<Bf16>, "2 + 4 + 4 + 8", [](int) { return 18.0; }},
+    {"ZeRO-1", Bf16::name, 1, make_run<Bf16>, "2 + 4 + (4 + 8) / N",
+     [](int n) { return 6.0 + 12.0 / n; }},
+    {"ZeRO-2", Bf16::name, 2, make_run<Bf16>, "2 + (4 + 4 + 8) / N",
+     [](int n) { return 2.0 + 16.0 / n; }},
+    {"ZeRO-3", Bf16::name, 3, make_run<Bf16>, "(4 + 4 + 8) / N", [](int n) { return 16.0 / n; }},
+    {"ZeRO-1", Remainder::name, 1, make_run<Remainder>, "2 + 4 + (2 + 4) / N",
+     [](int n) { return 6.0 + 6.0 / n; }},
+    {"ZeRO-2", Remainder::name, 2, make_run<Remainder>, "2 + (4 + 2 + 4) / N",
+     [](int n) { return 2.0 + 10.0 / n; }},
+    {"ZeRO-3", Remainder::name, 3, make_run<Remainder>, "(2 + 4 + 2 + 4) / N",
+     [](int n) { return 12.0 / n; }},
+    {"ZeRO-1", Rounded::name, 1, make_run<Rounded>, "2 + 4 + 4 / N",
+     [](int n) { return 6.0 + 4.0 / n; }},
+    {"ZeRO-2", Rounded::name, 2, make_run<Rounded>, "2 + (4 + 4) / N",
+     [](int n) { return 2.0 + 8.0 / n; }},
+    {"ZeRO-3", Rounded::name, 3, make_run<Rounded>, "(2 + 4 + 4) / N",
+     [](int n) { return 10.0 / n; }, "10 / N", [](int n) { return 10.0 / n; }},
 };
+
+// MixedO2's rows are the step-time table's too; the lean storages' are the bytes table's alone.
+bool lean(const Config& config) { return config.policy != Bf16::name; }
 
 c10::intrusive_ptr<mp::ProcessGroup> group_of(int rank, int world, const std::string& dir) {
   auto store = c10::make_intrusive<c10d::FileStore>(dir + "/store", world);
@@ -178,8 +211,13 @@ int memory_rank(int rank, int world, const Config& config, const std::string& di
 int time_rank(int rank, const std::string& dir, const bench::Options& options) {
   auto group = group_of(rank, 2, dir);
   const int width = options.smoke ? 64 : 2048;
+  std::vector<const Config*> timed;
   std::vector<std::unique_ptr<Run>> runs;
-  for (const auto& config : kConfigs) runs.push_back(config.make(group, config.stage, width));
+  for (const auto& config : kConfigs) {
+    if (lean(config)) continue;
+    timed.push_back(&config);
+    runs.push_back(config.make(group, config.stage, width));
+  }
   const int steps = options.smoke ? 2 : 5;
   const auto ms = bench::interleaved_samples(runs.size(), options, [&](std::size_t v) {
     group->barrier()->wait();
@@ -189,13 +227,14 @@ int time_rank(int rank, const std::string& dir, const bench::Options& options) {
   });
   if (rank != 0) return 0;
   std::ofstream out(dir + "/table.md");
-  out << "\n### Step time at 2 ranks, MLP " << kDepth << "x" << width << " ("
-      << runs.front()->parameters() << " parameters), batch " << kBatch << " per rank\n\n"
-      << "| configuration | step ms | ratio to " << kConfigs.front().name
+  out << "\n### Step time at 2 ranks, " << Bf16::name << " + AdamW, MLP " << kDepth << "x"
+      << width << " (" << runs.front()->parameters() << " parameters), batch " << kBatch
+      << " per rank\n\n"
+      << "| configuration | step ms | ratio to " << timed.front()->name
       << " | ratio IQR |\n|---|---:|---:|---:|\n";
   for (std::size_t v = 0; v < runs.size(); ++v) {
     const auto ratio = bench::paired_ratio(ms[v], ms[0]);
-    out << "| " << kConfigs[v].name << " | " << bench::fixed(bench::median(ms[v]), 1) << " | "
+    out << "| " << timed[v]->name << " | " << bench::fixed(bench::median(ms[v]), 1) << " | "
         << bench::fixed(ratio.median, 2) << " | " << (v == 0 ? "" : bench::iqr(ratio, 2))
         << " |\n";
   }
@@ -270,21 +309,36 @@ int main(int argc, char** argv) {
     }
     return time_rank(rank, argv[4], bench::options_for(smoke));
   }
-  const auto options = bench::parse_options(argc, argv);
+  // --memory: the bytes table alone; the rest is the harness's (--smoke).
+  bool memory_only = false;
+  std::vector<char*> rest{argv[0]};
+  for (int i = 1; i < argc; ++i) {
+    if (std::string_view(argv[i]) == "--memory") {
+      memory_only = true;
+    } else {
+      rest.push_back(argv[i]);
+    }
+  }
+  const auto options = bench::parse_options(static_cast<int>(rest.size()), rest.data());
   const auto root = std::filesystem::temp_directory_path() /
                     ("mixprec_bench_zero_" + std::to_string(::getpid()));
   const int width = options.smoke ? 64 : 3584;
   std::ostringstream out;
   out << "## bench_zero: sharded training state (ZeRO-1, 2, 3) over Gloo, on loopback\n\n"
-      << Bf16::name << " + AdamW, an MLP of " << kDepth << " Linear(" << width << ", " << width
+      << "AdamW under " << Bf16::name << " (data parallel and ZeRO-1, 2, 3), "
+      << Remainder::name << " and " << Rounded::name << " (ZeRO-1, 2, 3), an MLP of " << kDepth
+      << " Linear(" << width << ", " << width
       << ") + ReLU, each Linear declared as mixprec::nn::Mappable (ZeRO-3's units), batch "
       << kBatch << " per rank, one thread per rank; each row in fresh processes, "
       << kMemorySteps << " steps. Bytes per parameter of the model on one rank (the largest "
       << "over the ranks): *weights*, *gradients*, *masters*, *optimizer* are "
       << "Trainer::state_bytes() after the last step, summed from the tensors (a released "
-      << "weight has none; gradients are data parallel's fp32 buckets, or ZeRO-2's slices of "
-      << "them; masters are the fp32 masters or this rank's pieces of them); *expected* is the "
-      << "formula below the table. *all tensors* counts every CPU tensor alive in the process "
+      << "weight has none, a ZeRO-3 unit's bf16 piece kept by a lean storage counts as weights; "
+      << "gradients are data parallel's fp32 buckets, or ZeRO-2's slices of them; masters are "
+      << "the fp32 masters or this rank's pieces of them, or what a lean storage keeps of them: "
+      << "RemainderMasters' 16-bit remainders, StochasticRounding's nothing but a one-float "
+      << "placeholder per piece); *expected* is the formula below the table. *all tensors* counts "
+      << "every CPU tensor alive in the process "
       << "at the same moment (counting_allocator.hpp: an allocator between LibTorch and its "
       << "own, which sees Gloo's threads too), the batch included; *step peak* is the largest "
       << "such sum during the steps: activations, the backward's gradients, buckets in flight, "
@@ -296,15 +350,20 @@ int main(int argc, char** argv) {
       << "the Trainer shards it). RSS keeps what malloc keeps of freed memory and the "
       << "libraries' pages; the tensor columns do not. *step ms*: the median of the steps after "
       << "the first, not interleaved (the next table is for time).\n\n"
-      << "| configuration | ranks | weights | gradients | masters | optimizer | total | expected | "
-      << "all tensors | largest unit | step peak | peak RSS, steps MiB | peak RSS, built MiB | "
-      << "step ms |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n";
+      << "| configuration | policy | ranks | weights | gradients | masters | optimizer | total | "
+      << "expected | all tensors | largest unit | step peak | peak RSS, steps MiB | peak RSS, "
+      << "built MiB | step ms |\n"
+      << "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n";
   bool ok = true;
   double params = 0;
-  // ctest's smoke run leaves out 4 ranks: 16 of the 28 processes.
-  const auto worlds = options.smoke ? std::vector<int>{1, 2} : std::vector<int>{1, 2, 4};
+  std::ostringstream checks;
   for (std::size_t c = 0; c < kConfigs.size(); ++c) {
     const auto& config = kConfigs[c];
+    // ctest's smoke run leaves out 4 ranks, and 1 rank for the lean storages (2 ranks are
+    // what they do differently sharded): 24 of the 70 processes.
+    const auto worlds = !options.smoke   ? std::vector<int>{1, 2, 4}
+                        : lean(config) ? std::vector<int>{2}
+                                       : std::vector<int>{1, 2};
     for (const int world : worlds) {
       const auto dir = root / ("memory_" + std::to_string(c) + "_" + std::to_string(world));
       std::filesystem::create_directories(dir);
@@ -312,30 +371,70 @@ int main(int argc, char** argv) {
                                     dir.string()};
       if (options.smoke) args.emplace_back("--smoke");
       if (!spawn_ranks(world, args)) {
-        std::cerr << "bench_zero: a rank failed (" << config.name << ", " << world << " ranks)\n";
+        std::cerr << "bench_zero: a rank failed (" << config.name << ", " << config.policy
+                  << ", " << world << " ranks)\n";
         ok = false;
         continue;
       }
       const auto row = read_ranks(dir, world);
       params = row.params;
-      out << "| " << config.name << " | " << world << " | " << bench::fixed(row.weights, 2)
-          << " | " << bench::fixed(row.gradients, 2) << " | " << bench::fixed(row.masters, 2)
-          << " | " << bench::fixed(row.optimizer, 2) << " | " << bench::fixed(row.total, 2)
-          << " | " << bench::fixed(config.expected(world), 2) << " | "
-          << bench::fixed(row.live, 2) << " | " << (config.stage >= 3 ? bench::fixed(row.unit, 2) : "") << " | "
+      out << "| " << config.name << " | " << config.policy << " | " << world << " | "
+          << bench::fixed(row.weights, 2) << " | " << bench::fixed(row.gradients, 2) << " | "
+          << bench::fixed(row.masters, 2) << " | " << bench::fixed(row.optimizer, 2) << " | "
+          << bench::fixed(row.total, 2) << " | " << bench::fixed(config.expected(world), 2)
+          << " | " << bench::fixed(row.live, 2) << " | "
+          << (config.stage >= 3 ? bench::fixed(row.unit, 2) : "") << " | "
           << bench::fixed(row.tensor_peak, 2) << " | " << bench::fixed(row.rss_steps, 0)
           << " | " << bench::fixed(row.rss_construction, 0) << " | " << bench::fixed(row.ms, 1)
           << " |\n";
+      // The state is its formula up to the buckets' padding (world - 1 elements at most per
+      // bucket) and the lean pieces' placeholders (4 bytes per piece): less than kSlack.
+      if (std::abs(row.total - config.expected(world)) > kSlack) {
+        std::cerr << "bench_zero: " << config.name << " under " << config.policy << " at "
+                  << world << " ranks holds " << row.total << " bytes per parameter between "
+                  << "steps, not " << config.formula << " = " << config.expected(world) << "\n";
+        ok = false;
+      }
+      if (config.target != nullptr) {
+        const double held = row.total + row.unit;
+        const double bound = config.target(world) + row.unit;
+        const bool within = held <= bound + kSlack;
+        checks << "| " << config.name << ", " << config.policy << " | " << world << " | "
+               << bench::fixed(row.total, 3) << " + " << bench::fixed(row.unit, 3) << " = "
+               << bench::fixed(held, 3) << " | " << config.target_formula << " + "
+               << bench::fixed(row.unit, 3) << " = " << bench::fixed(bound, 3) << " | "
+               << (within ? "pass" : "FAIL") << " |\n";
+        if (!within) {
+          std::cerr << "bench_zero: " << config.name << " under " << config.policy << " at "
+                    << world << " ranks holds " << held << " bytes per parameter with its "
+                    << "largest unit gathered, above the target " << config.target_formula
+                    << " + the unit = " << bound << "\n";
+          ok = false;
+        }
+      }
     }
   }
   out << "\n" << static_cast<std::int64_t>(params) << " parameters. Expected bytes per "
       << "parameter on each of N ranks between steps (weights + gradients + masters + optimizer "
       << "state):";
-  for (const auto& config : kConfigs) {
-    out << (&config == &kConfigs.front() ? " " : "; ") << config.name << " " << config.formula;
+  for (std::size_t c = 0; c < kConfigs.size(); ++c) {
+    const auto& config = kConfigs[c];
+    const bool first_of_policy = c == 0 || kConfigs[c - 1].policy != config.policy;
+    out << (c == 0 ? " " : first_of_policy ? ". " : "; ");
+    if (first_of_policy) out << config.policy << ": ";
+    out << config.name << " " << config.formula;
   }
-  out << ". During a step ZeRO-3 adds the unit being gathered.\n";
-  {
+  out << ". During a step ZeRO-3 adds the unit being gathered. The program fails if a total is "
+      << "more than " << kSlack << " B/param off its formula (the buckets' padding and the lean "
+      << "pieces' placeholders are less).\n";
+  if (!checks.str().empty()) {
+    out << "\nIssue 42's target for the lean state under ZeRO-3: at most 10 / N bytes per "
+        << "parameter, plus one unit gathered (checked by the program: a row that fails makes "
+        << "it exit 1).\n\n| configuration | ranks | state + largest unit, B/param | target, "
+        << "B/param | result |\n|---|---:|---:|---:|---|\n"
+        << checks.str();
+  }
+  if (!memory_only) {
     const auto dir = root / "time";
     std::filesystem::create_directories(dir);
     std::vector<std::string> args{"time", dir.string()};
@@ -348,8 +447,9 @@ int main(int argc, char** argv) {
       ok = false;
     }
   }
-  out << "\nCommand: `./build/default/benchmarks/bench_zero` (it starts its ranks; "
-      << "`./scripts/bench bench_zero` writes this section)\n";
+  out << "\nCommand: `./build/default/benchmarks/bench_zero" << (memory_only ? " --memory" : "")
+      << "` (it starts its ranks; `--memory`: the bytes tables alone; `./scripts/bench "
+      << "bench_zero` writes this section)\n";
   std::cout << out.str();
   std::filesystem::remove_all(root);
   return ok ? 0 : 1;
