@@ -1154,11 +1154,10 @@ void case_zero_equivalence(Rank& r) {
   zero_equivalence<Stochastic>(r, Opt::adamw, 2, 0.5, 1.0 / 128, /*late=*/true, 1, true);
   using Bf16Moments = mp::MixedO2<at::BFloat16, mp::Fp32Masters<at::BFloat16>>;
   zero_equivalence<Bf16Moments>(r, Opt::sgd, 2, 0.5, 1.0 / 128, false, 2, true);
-  // fused_optimizer: unsharded, the one-pass CPU kernel; sharded, ATen's fused step between
-  // the inflated slices (LibTorch >= 2.4): other arithmetic, a rounding can flip (2^-8).
-  if constexpr (mp::fused_adam_available) {
-    zero_equivalence<Stochastic>(r, Opt::adamw, 1, 0.5, 1.0 / 128, false, 2, false, /*fused=*/true);
-  }
+  // fused_optimizer: the one-pass CPU kernel over whole tensors, or each rank's slices (each
+  // element rounded with its bits in the whole tensor), neither inflated.
+  zero_equivalence<Stochastic>(r, Opt::adamw, 1, 0.5, 1.0 / 128, false, 2, true, /*fused=*/true);
+  zero_equivalence<Remainder>(r, Opt::adamw, 2, 0.5, 1.0 / 128, false, 1, true, /*fused=*/true);
 }
 
 // The optimizer state really is sharded: each rank holds its slices' state, about 1/world of
@@ -1488,7 +1487,7 @@ struct UnitRun {
 template <class P>
 UnitRun train_units(Rank& r, int stage, int accumulation, std::optional<double> clip,
                     const std::vector<Batch>& data, std::int64_t per_rank, bool checkpointing,
-                    bool mapped = false) {
+                    bool mapped = false, bool fused = false) {
   auto net = dyadic_unit_net(2000 + r.rank);  // rank 0's values reach every rank
   if (checkpointing) mp::apply_checkpointing(net, {"h*"});
   if (mapped) mp::apply_precision_map<P>(net, mp::PrecisionMap().keep_fp32("out"));
@@ -1497,6 +1496,7 @@ UnitRun train_units(Rank& r, int stage, int accumulation, std::optional<double> 
   if (stage == 3) distributed.shard_parameters(kUnits);
   auto options = options_for<P>(accumulation).distributed(distributed);
   if (clip) options.max_grad_norm(*clip);
+  options.fused_optimizer(fused);
   mp::Trainer<P> trainer(net, optimizer, options);
   UnitRun run;
   const auto micro = per_rank / accumulation;
@@ -1523,14 +1523,15 @@ UnitRun train_units(Rank& r, int stage, int accumulation, std::optional<double> 
 
 template <class P>
 void zero3_equivalence(Rank& r, int accumulation, std::optional<double> clip, double tolerance,
-                       bool checkpointing = false, bool mapped = false) {
+                       bool checkpointing = false, bool mapped = false, bool fused = false) {
   const std::int64_t per_rank = 4 * accumulation;
   const auto data = batches(5, per_rank * r.world, /*inf_step=*/3);
-  const auto plain = train_units<P>(r, 0, accumulation, clip, data, per_rank, false, mapped);
-  const auto sharded = train_units<P>(r, 3, accumulation, clip, data, per_rank, checkpointing, mapped);
+  const auto plain = train_units<P>(r, 0, accumulation, clip, data, per_rank, false, mapped, fused);
+  const auto sharded = train_units<P>(r, 3, accumulation, clip, data, per_rank, checkpointing, mapped, fused);
   const auto name = "ZeRO-3 " + std::string(P::name) + " accumulation " + std::to_string(accumulation) +
                     (clip ? " clip " + std::to_string(*clip) : std::string()) +
-                    (checkpointing ? " checkpointed" : "") + (mapped ? " head fp32" : "");
+                    (checkpointing ? " checkpointed" : "") + (mapped ? " head fp32" : "") +
+                    (fused ? " fused" : "");
   RANK_EXPECT(sharded.statuses == plain.statuses, name);
   RANK_EXPECT(sharded.statuses[3] == mp::StepStatus::skipped, name);
   double worst = 0;
@@ -1572,6 +1573,8 @@ void case_zero3_equivalence(Rank& r) {
   // Lean storages: each rank keeps its units' slices as bf16 values (and remainders).
   zero3_equivalence<mp::MixedO2<at::BFloat16, mp::RemainderMasters<at::BFloat16>>>(r, 2, 0.5, 1e-6);
   zero3_equivalence<mp::PureHalf<at::BFloat16, mp::StochasticRounding<>>>(r, 1, 0.5, 1e-6, true);
+  zero3_equivalence<mp::PureHalf<at::BFloat16, mp::StochasticRounding<>>>(r, 2, 0.5, 1e-6, false,
+                                                                          false, /*fused=*/true);
 }
 
 // Checkpoints of sharded parameters: `zero3_save` (3 ranks) saves after step 3 and goes on to

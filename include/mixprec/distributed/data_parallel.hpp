@@ -119,6 +119,12 @@ class DataParallel final : public detail::StepGroup {
     units_.take(plan_, ranges);
   }
   detail::LeanMasters* lean_rounding() noexcept override { return shards_.lean_rounding(); }
+  bool lean_target(const at::Tensor& piece, detail::LeanTarget& out) override {
+    auto target = shards_.lean_target(piece);
+    if (!target) return false;
+    out = std::move(*target);
+    return true;
+  }
   void inflate_pieces() override { shards_.inflate_pieces(); }
   void release_pieces(bool narrow) override { shards_.release_pieces(narrow); }
   void stow_loaded_pieces() override { shards_.stow_loaded_pieces(); }

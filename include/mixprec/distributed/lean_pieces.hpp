@@ -16,6 +16,8 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <optional>
+#include <unordered_map>
 #include <vector>
 
 namespace mixprec::detail {
@@ -33,8 +35,17 @@ class LeanPieces {
     const auto n = slot.piece.numel();
     slot.low = slot.unit ? slot.piece.to(at::kBFloat16)  // its own: the unit's is released
                          : slot.param.detach().view({-1}).narrow(0, slot.piece_from, n);
+    index_of_.emplace(slot.piece.unsafeGetTensorImpl(), slots_.size());
     slots_.push_back(i);
     lean_.add(slot.low, slot.piece, tensor, slot.piece_from);
+  }
+
+  /// A piece's bf16 value and what is kept of it, for the one-pass step (lean_adam_step), which
+  /// updates them in place without inflating; nullopt for a tensor that is no lean piece.
+  std::optional<LeanTarget> target(const BucketLayout& layout, const at::Tensor& piece) {
+    const auto it = index_of_.find(piece.unsafeGetTensorImpl());
+    if (it == index_of_.end()) return std::nullopt;
+    return LeanTarget{layout.slots()[slots_[it->second]].low, lean_.in_place(it->second)};
   }
 
   bool empty() const noexcept { return slots_.empty(); }
@@ -91,6 +102,7 @@ class LeanPieces {
  private:
   LeanMasters lean_;
   std::vector<std::size_t> slots_;  // of the layout, in the order added
+  std::unordered_map<const void*, std::size_t> index_of_;  // each piece's place in slots_
 };
 
 }  // namespace mixprec::detail

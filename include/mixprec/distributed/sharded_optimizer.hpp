@@ -192,6 +192,10 @@ class ShardedOptimizer {
 
   /// A lean storage's pieces (null: none), their rounding's seed and count.
   LeanMasters* lean_rounding() noexcept { return lean_ ? &lean_->rounding() : nullptr; }
+  /// A lean piece's bf16 value and what is kept of it, for the one-pass step.
+  std::optional<LeanTarget> lean_target(const at::Tensor& piece) {
+    return lean_ ? lean_->target(reducer_.layout(), piece) : std::nullopt;
+  }
   /// Lean pieces: every piece's fp32 value, for a step or a checkpoint (and its moments fp32,
   /// for a step).
   void inflate_pieces() {

@@ -28,6 +28,7 @@ struct DistributedOptions;  // mixprec/distributed.hpp
 namespace detail {
 
 class LeanMasters;  // optim/lean_masters.hpp
+struct LeanTarget;
 
 class StepGroup {
  public:
@@ -79,6 +80,8 @@ class StepGroup {
   /// them so); after a load into the pieces, stowed. Bytes kept beyond the model's tensors:
   /// ZeRO-3 units' bf16 pieces (`weights`), or the remainders.
   virtual LeanMasters* lean_rounding() noexcept { return nullptr; }
+  /// A lean piece's target for the one-pass step (lean_adam_step) into `out`; false: none.
+  virtual bool lean_target(const at::Tensor& /*piece*/, LeanTarget& /*out*/) { return false; }
   virtual void inflate_pieces() {}
   virtual void release_pieces(bool /*narrow*/) {}
   virtual void stow_loaded_pieces() {}

@@ -69,6 +69,7 @@ struct LeanAdamTensors {
   std::uint16_t* bf16 = nullptr;
   std::int16_t* remainder = nullptr;
   std::uint32_t key = 0;
+  std::int64_t first = 0;  // the index of element 0 in its whole tensor (a rank's slice)
   const void* grad = nullptr;
   bool grad_bf16 = false;
   void* exp_avg = nullptr;
@@ -137,8 +138,8 @@ MIXPREC_ALWAYS_INLINE inline void moments_loop(const LeanAdamTensors& t, const L
   const float grad_decay = s.adamw ? 0.0F : s.weight_decay;
   const float inv_scale = s.inv_scale, beta1 = s.beta1, beta2 = s.beta2;
   const float one_minus_beta1 = s.one_minus_beta1, one_minus_beta2 = s.one_minus_beta2;
-  const LeanAdamTensors w_only{t.fp32, t.bf16, t.remainder, 0, nullptr, false, nullptr, nullptr,
-                               nullptr, false, 0};
+  const LeanAdamTensors w_only{t.fp32, t.bf16, t.remainder, 0, t.first, nullptr, false, nullptr,
+                               nullptr, nullptr, false, 0};
   const void* __restrict grad = t.grad;
   void* __restrict exp_avg = t.exp_avg;
   void* __restrict exp_avg_sq = t.exp_avg_sq;
@@ -182,6 +183,7 @@ MIXPREC_ALWAYS_INLINE inline std::uint32_t weights_loop(const LeanAdamTensors& t
   std::uint16_t* __restrict bf16 = t.bf16;
   std::int16_t* __restrict remainder = t.remainder;
   const std::uint32_t key = t.key;
+  const std::int64_t first = t.first;
   std::uint32_t ties = 0;
   for (std::int64_t i = begin; i < end; ++i) {
     const float denom = root_in[i - begin] / bc2 + eps;
@@ -210,7 +212,7 @@ MIXPREC_ALWAYS_INLINE inline std::uint32_t weights_loop(const LeanAdamTensors& t
       const auto bits = std::bit_cast<std::uint32_t>(w);
       const bool finite = (bits & 0x7f800000U) != 0x7f800000U;
       const bool nan = (bits & 0x7fffffffU) > 0x7f800000U;
-      const std::uint32_t noise = hash32(static_cast<std::uint32_t>(i) ^ key) >> 16;
+      const std::uint32_t noise = hash32(static_cast<std::uint32_t>(i + first) ^ key) >> 16;
       const std::uint32_t rounded = (bits + (finite ? noise : 0U)) >> 16;
       bf16[i] = static_cast<std::uint16_t>(nan ? kBf16QuietNan : rounded);
     }

@@ -18,10 +18,15 @@
 #include <torch/optim/optimizer.h>
 
 #include <cmath>
+#include <functional>
 #include <memory>
+#include <optional>
 #include <vector>
 
 namespace mixprec::detail {
+
+/// The lean target of each tensor the optimizer steps (nullopt: an fp32 tensor, stepped as is).
+using LeanTargets = std::function<std::optional<LeanTarget>(const at::Tensor&)>;
 
 namespace lean_step {
 
@@ -37,13 +42,13 @@ inline void check_state(const at::Tensor& state, const at::Tensor& like, c10::Sc
 }
 
 template <AdamKind Kind>
-void step(torch::optim::Optimizer& optimizer, MasterWeights& masters, float inv_scale,
+void step(torch::optim::Optimizer& optimizer, const LeanTargets& targets, float inv_scale,
           bool narrow_moments) {
   using Options = typename AdamTypes<Kind>::Options;
   using State = typename AdamTypes<Kind>::State;
   struct Work {
     at::Tensor param, grad, model;
-    std::optional<MasterWeights::LeanTarget> lean;
+    std::optional<LeanTarget> lean;
     State* state;
     AdamHyper h;
     c10::ScalarType moment_dtype;
@@ -59,7 +64,7 @@ void step(torch::optim::Optimizer& optimizer, MasterWeights& masters, float inv_
     for (auto& p : group.params()) {
       const auto& grad = p.grad();
       if (!grad.defined()) continue;
-      Work w{p, grad, p, masters.lean_target(p), nullptr, h, at::kFloat};
+      Work w{p, grad, p, targets(p), nullptr, h, at::kFloat};
       if (w.lean) w.model = w.lean->model;
       const auto& shape = w.model;
       MIXPREC_CHECK(shape.device().is_cpu(), "the lean Adam step runs on the CPU; a parameter is "
@@ -122,6 +127,7 @@ void step(torch::optim::Optimizer& optimizer, MasterWeights& masters, float inv_
     auto& kept = w.lean->kept;
     t.bf16 = static_cast<std::uint16_t*>(w.model.data_ptr());
     t.key = kept.key;
+    t.first = kept.first;
     if (kept.remainder.defined()) {
       t.remainder = static_cast<std::int16_t*>(kept.remainder.data_ptr());
       *kept.down_ties = lean_adam_update(t, s, *kept.down_ties);
@@ -136,7 +142,7 @@ void step(torch::optim::Optimizer& optimizer, MasterWeights& masters, float inv_
 /// One Adam or AdamW step of `optimizer` (exactly torch::optim::Adam or AdamW) over `masters`
 /// (a lean storage), gradients divided by `grad_scale` (one fp32 value; undefined: by 1).
 /// `narrow_moments`: the moments of the lean masters are bf16 (RemainderMasters<BFloat16>, ...).
-inline void lean_adam_step(torch::optim::Optimizer& optimizer, MasterWeights& masters,
+inline void lean_adam_step(torch::optim::Optimizer& optimizer, const LeanTargets& targets,
                            const at::Tensor& grad_scale, bool narrow_moments) {
   const auto kind = adam_kind(optimizer);
   MIXPREC_CHECK(kind.has_value(), "the lean one-pass step (fused_optimizer under a lean "
@@ -145,10 +151,17 @@ inline void lean_adam_step(torch::optim::Optimizer& optimizer, MasterWeights& ma
   const float inv_scale =
       grad_scale.defined() ? 1.0F / grad_scale.to(at::kCPU).item<float>() : 1.0F;
   if (*kind == AdamKind::adam) {
-    lean_step::step<AdamKind::adam>(optimizer, masters, inv_scale, narrow_moments);
+    lean_step::step<AdamKind::adam>(optimizer, targets, inv_scale, narrow_moments);
   } else {
-    lean_step::step<AdamKind::adamw>(optimizer, masters, inv_scale, narrow_moments);
+    lean_step::step<AdamKind::adamw>(optimizer, targets, inv_scale, narrow_moments);
   }
+}
+
+/// The same over `masters`.
+inline void lean_adam_step(torch::optim::Optimizer& optimizer, MasterWeights& masters,
+                           const at::Tensor& grad_scale, bool narrow_moments) {
+  lean_adam_step(optimizer, LeanTargets([&masters](const at::Tensor& p) { return masters.lean_target(p); }),
+                 grad_scale, narrow_moments);
 }
 
 }  // namespace mixprec::detail

@@ -119,11 +119,11 @@ class LeanMasters {
     at::Tensor remainder;
     std::vector<std::int64_t>* down_ties;
     std::uint32_t key;
+    std::int64_t first;  // the rounding's index of element 0
   };
   InPlace in_place(std::size_t index) {
     auto& e = entries_.at(index);
-    TORCH_INTERNAL_ASSERT(e.first == 0, "the one-pass step rounds whole tensors");
-    return {e.remainder, &e.down_ties, rounding_key(seed_, rounds_, e.tensor)};
+    return {e.remainder, &e.down_ties, rounding_key(seed_, rounds_, e.tensor), e.first};
   }
 
   /// After the stow of a step taken: the next step rounds with other bits.
@@ -159,6 +159,13 @@ class LeanMasters {
   std::vector<Entry> entries_;
   std::uint64_t seed_ = 0;
   std::uint64_t rounds_ = 0;
+};
+
+/// A lean master's bf16 tensor (the model's weight, or a rank's slice of it) and what
+/// LeanMasters keeps of it, for a step that updates them in place (lean_adam.hpp).
+struct LeanTarget {
+  at::Tensor model;
+  LeanMasters::InPlace kept;
 };
 
 }  // namespace mixprec::detail

@@ -250,10 +250,7 @@ class MasterWeights {
 
   /// A lean master's model tensor and what LeanMasters keeps of it, for a step that updates
   /// them in place (lean_adam.hpp); nullopt for an fp32 master (or parameter).
-  struct LeanTarget {
-    at::Tensor model;
-    detail::LeanMasters::InPlace kept;
-  };
+  using LeanTarget = detail::LeanTarget;
   std::optional<LeanTarget> lean_target(const at::Tensor& master) {
     const auto it = pair_of_master_.find(master.unsafeGetTensorImpl());
     if (it == pair_of_master_.end() || pairs_[it->second].lean < 0) return std::nullopt;

@@ -8,6 +8,7 @@
 #include <mixprec/core/error.hpp>
 #include <mixprec/core/state_storage.hpp>
 #include <mixprec/distributed/step_group.hpp>
+#include <mixprec/optim/lean_adam_step.hpp>
 #include <mixprec/optim/lean_moments.hpp>
 #include <mixprec/optim/master_weights.hpp>
 
@@ -26,6 +27,19 @@ inline constexpr bool narrow_moments_of = storage_of<P>::moment_dtype == c10::Sc
 template <class P>
 inline constexpr bool lean_pass_storage = storage_of<P>::masters == MasterStorage::remainder ||
                                           storage_of<P>::masters == MasterStorage::stochastic;
+
+/// What the one-pass step (fused_optimizer on the CPU) updates in place: the lean masters'
+/// model weights and what is kept of them, or sharded, this rank's pieces'.
+inline LeanTargets lean_targets(MasterWeights* masters, StepGroup* group) {
+  if (group != nullptr && group->sharded()) {
+    return [group](const at::Tensor& p) -> std::optional<LeanTarget> {
+      LeanTarget target;
+      if (group->lean_target(p, target)) return target;
+      return std::nullopt;
+    };
+  }
+  return [masters](const at::Tensor& p) { return masters->lean_target(p); };
+}
 
 /// The Trainer's construction: an Error where P's storage cannot keep this optimizer's state.
 template <class P>
@@ -52,13 +66,14 @@ class LeanStep {
  public:
   /// `inflate` false: a one-pass step reads and writes what the storage keeps. `group`:
   /// sharded, its pieces are the masters (ShardedOptimizer::gather_parameters stows them after
-  /// a step taken).
+  /// a step taken, and counts the step's rounding).
   LeanStep(MasterWeights* masters, torch::optim::Optimizer& optimizer, bool inflate = true,
            StepGroup* group = nullptr)
       : masters_(masters), optimizer_(optimizer),
         group_(group != nullptr && group->sharded() ? group : nullptr) {
     if constexpr (lean_state<P>) {
       if (group_ != nullptr) {
+        if (!inflate) return;
         try {
           group_->inflate_pieces();
           widen_moments(optimizer_);

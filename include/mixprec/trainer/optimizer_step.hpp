@@ -65,18 +65,18 @@ struct OptimizerStep {
 
 /// Unscales, checks, clips, and steps or skips (`fused`: through ATen's fused Adam/AdamW, which
 /// divides by the scale itself); the engine is ready for the next step whatever happens.
-/// `lean`: masters of a lean storage that the fused step updates in one pass
+/// `lean`: the lean masters (or sharded, pieces) that the fused step updates in one pass
 /// (lean_adam_step; `narrow_moments`: their moments are bf16) instead of ATen's kernel.
 inline OptimizerStep take_optimizer_step(StepEngine& engine, torch::optim::Optimizer& optimizer,
                                          const UnscalePlan& plan, bool fused,
-                                         MasterWeights* lean = nullptr,
+                                         const LeanTargets& lean = {},
                                          bool narrow_moments = false) {
   OptimizerStep result;
   try {
     if (fused) {
       const auto done = engine.step_fused(optimizer, plan, [&](const at::Tensor& scale) {
-        if (lean != nullptr) {
-          lean_adam_step(optimizer, *lean, scale, narrow_moments);
+        if (lean) {
+          lean_adam_step(optimizer, lean, scale, narrow_moments);
         } else {
           fused_adam_step(optimizer, scale);
         }

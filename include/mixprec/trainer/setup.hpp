@@ -87,8 +87,8 @@ void check_fused(const TrainerOptions& options, const torch::optim::Optimizer& o
   if (!options.fused_optimizer()) return;
   if constexpr (lean_pass_storage<P>) {
     // On the CPU mixprec's own one-pass kernel (optim/lean_adam.hpp) steps Adam and AdamW;
-    // elsewhere, and sharded, ATen's fused kernel, between the inflated masters.
-    bool cpu = !options.settings().shard_optimizer_state;
+    // elsewhere ATen's fused kernel, between the inflated masters.
+    bool cpu = true;
     for (const auto& t : optimizer_tensors(optimizer)) cpu = cpu && t.device().is_cpu();
     if (cpu) {
       MIXPREC_CHECK(adam_kind(optimizer).has_value(), "TrainerOptions::fused_optimizer under ",

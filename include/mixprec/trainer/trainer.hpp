@@ -272,7 +272,7 @@ class Trainer : public detail::TrainerCheckpoints<P> {
     // Lean storage: fp32 masters and moments from here to the end of the optimizer step; or,
     // fused on the CPU, one pass over what it keeps, reading the model's gradients in place.
     const bool lean_pass = detail::lean_pass_storage<P> && options_.fused_optimizer() &&
-                           tensors_.cpu_only() && !tensors_.sharded();
+                           tensors_.cpu_only();
     const detail::LeanStep<P> lean(masters, *optimizer_, /*inflate=*/!lean_pass,
                                    data_parallel_.get());
     if (lean_pass && n == 1 && !data_parallel_) masters->alias_grads();
@@ -282,7 +282,8 @@ class Trainer : public detail::TrainerCheckpoints<P> {
     detail::OptimizerStep done;
     try {
       done = detail::take_optimizer_step(engine_, *optimizer_, plan, options_.fused_optimizer(),
-                                         lean_pass ? masters : nullptr,
+                                         lean_pass ? detail::lean_targets(masters, data_parallel_.get())
+                                                   : detail::LeanTargets(),
                                          detail::narrow_moments_of<P>);
     } catch (...) {
       fp8_.finish_step(/*stepped=*/false);
