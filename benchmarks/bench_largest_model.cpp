@@ -2,7 +2,7 @@
 // random initialisation, layers added until it no longer fits) whose AdamW training steps keep
 // every rank's peak RSS within a fixed budget, 4 data-parallel ranks over Gloo on loopback, for
 // MixedO2<BFloat16> + data parallel, + activation checkpointing, + ZeRO-3, + the lean training
-// state; and PyTorch's FSDP2 (fully_shard per layer, torch.utils.checkpoint, bf16 parameters
+// state (PureHalf<BFloat16, StochasticRounding<>>: bf16 weights and moments); and PyTorch's FSDP2 (fully_shard per layer, torch.utils.checkpoint, bf16 parameters
 // with fp32 reduction) beside them (benchmarks/python/fsdp_encoder.py).
 //
 // Each run is `world` fresh processes (this binary with --rank, or the Python script) of one
@@ -14,8 +14,9 @@
 // machine's available memory runs low. The search: two small probe runs measure the bytes
 // each layer adds (printed beside what the configuration is expected to keep per parameter);
 // the line through them predicts the largest size; runs at it and next to it confirm that L
-// layers fit and L + 1 do not. Then the losses: every configuration on the same small model,
-// weights and data, its first steps' losses against MixedO2 + data parallel's.
+// layers fit and L + 1 do not; the construction's line bounds the prediction too. Then the
+// losses: every configuration on the same small model, weights and data, its first steps'
+// losses against a reference run's, bitwise (the lean row's against its own policy unsharded).
 //
 //   ./build/default/benchmarks/bench_largest_model              4 ranks, 3072 MiB (~20 minutes
 //                                                               on 2 busy cores)
@@ -59,6 +60,8 @@ namespace {
 
 constexpr const char* kLayers = "bert.encoder.layer.*";
 constexpr double kMiB = 1024.0 * 1024.0;
+// The machine's available memory under which all ranks of a run are stopped.
+constexpr double kReserveMiB = 1536;
 
 // ---- Sizes
 
@@ -122,7 +125,7 @@ struct Config {
   // The bytes per parameter of a layer a rank keeps between steps: the table's *expected*.
   double unit_bytes(int world) const {
     if (!zero3) return 20;  // bf16 weight + bf16 gradient + fp32 master, its gradient, AdamW's 2
-    if (kind == Kind::lean) return 12.0 / world;  // bf16 + remainder + bf16 moments + fp32 grad
+    if (kind == Kind::lean) return 10.0 / world;  // bf16 weight + bf16 moments + fp32 grad slice
     return 16.0 / world;                          // fp32 piece, its gradient slice, AdamW's 2
   }
 };
@@ -132,7 +135,7 @@ std::vector<Config> configurations() {
       {"MixedO2<BFloat16> + data parallel", Kind::o2, false, false},
       {"+ activation checkpointing", Kind::o2, true, false},
       {"+ ZeRO-3 (shard_parameters)", Kind::o2, true, true},
-      {"+ lean state (MixedO2<BFloat16, RemainderMasters<BFloat16>>)", Kind::lean, true, true},
+      {"+ lean state (PureHalf<BFloat16, StochasticRounding<>>)", Kind::lean, true, true},
       {"Python FSDP2: fully_shard per layer + checkpoint, MixedPrecisionPolicy(bf16, fp32)",
        Kind::python, true, true},
   };
@@ -229,6 +232,7 @@ int train_rank(const RankArgs& a, Watchdog& watchdog, const std::string& out_pat
   config.num_hidden_layers = a.layers;
   torch::manual_seed(1);  // the same weights on every rank and in every configuration
   encoder::Classifier model(config, sizes.classes);
+  trace.print("after the fp32 model");
   std::int64_t parameters = 0;
   for (const auto& p : model->parameters()) parameters += p.numel();
   if (a.checkpoint) mp::apply_checkpointing(model, {kLayers});
@@ -307,7 +311,7 @@ int rank_main(const RankArgs& a) {
   const auto out_path = a.dir + "/rank" + std::to_string(a.rank) + ".txt";
   Watchdog watchdog(out_path, 2 * a.budget);
   if (a.kind == Kind::lean) {
-    return train_rank<mp::MixedO2<at::BFloat16, mp::RemainderMasters<at::BFloat16>>>(a, watchdog, out_path);
+    return train_rank<mp::PureHalf<at::BFloat16, mp::StochasticRounding<>>>(a, watchdog, out_path);
   }
   return train_rank<mp::MixedO2<at::BFloat16>>(a, watchdog, out_path);
 }
@@ -363,7 +367,7 @@ Run run_configuration(const Config& c, std::int64_t layers, int steps, const Siz
     p.log = (dir / ("rank" + std::to_string(r) + ".log")).string();
     ranks.push_back(std::move(p));
   }
-  const auto outcome = bench::run_ranks(ranks, /*reserve_mib=*/1536, std::chrono::minutes(20));
+  const auto outcome = bench::run_ranks(ranks, kReserveMiB, std::chrono::minutes(20));
   Run run;
   run.layers = layers;
   run.status = Run::Status::fits;
@@ -444,6 +448,13 @@ struct Line {
   }
 };
 
+// What a rank may take while being built: twice the budget (its watchdog's limit then), and
+// no more than its share of the machine's available memory now, less the reserve under which
+// run_ranks stops all ranks.
+double construction_cap(const Sizes& sizes) {
+  return std::min(2 * sizes.budget_mib, (bench::available_mib() - kReserveMiB) / sizes.world);
+}
+
 // The largest layers that fit: two small probe runs give the bytes per layer, the line through
 // them predicts the largest size, and runs at and around it confirm it (L fits, L + 1 does not).
 struct Search {
@@ -451,6 +462,8 @@ struct Search {
   std::optional<Run> best;          // the largest run that fits
   std::optional<Line> steps, construction;  // from the probes
   std::optional<std::int64_t> predicted;
+  std::optional<std::int64_t> steps_alone;  // what the steps' line alone predicts
+  std::string binds;                // what the prediction is bound by: "steps", "construction"
   bool confirmed = false;           // best.layers + 1 ran and did not fit
   std::string blocked;              // the Error that refused the configuration
   std::string failed;
@@ -474,7 +487,20 @@ Search search(const Config& c, const Sizes& sizes, bool smoke, bool confirm, con
   s.construction = Line::through(a, b, &Run::construction);
   std::int64_t lo = a.layers, hi = b.status == Run::Status::fits ? -1 : b.layers;
   if (hi < 0) lo = b.layers;
-  if (s.steps && s.steps->slope > 0) s.predicted = s.steps->within(sizes.budget_mib);
+  // Construction peaks above the steps (every rank builds the fp32 model whole, and the
+  // Trainer casts and shards it): its line, within what a rank may take while being built,
+  // bounds the prediction too.
+  const double build_cap = construction_cap(sizes);
+  if (s.steps && s.steps->slope > 0) {
+    s.steps_alone = s.steps->within(sizes.budget_mib);
+    s.predicted = s.steps_alone;
+    s.binds = "steps";
+    if (s.construction && s.construction->slope > 0 &&
+        s.construction->within(build_cap) < *s.predicted) {
+      s.predicted = s.construction->within(build_cap);
+      s.binds = "construction";
+    }
+  }
   if (!confirm) return s;
   auto next = s.predicted.value_or((lo + std::max<std::int64_t>(hi, lo + 2)) / 2);
   s.confirmed = hi == lo + 1;
@@ -486,9 +512,11 @@ Search search(const Config& c, const Sizes& sizes, bool smoke, bool confirm, con
     if (run.status == Run::Status::blocked || run.status == Run::Status::failed) break;
     if (run.status == Run::Status::fits) {
       lo = run.layers;
-      const double per_layer = s.steps ? s.steps->slope : 1.0;
-      next = lo + std::max<std::int64_t>(
-                      1, static_cast<std::int64_t>(std::floor((sizes.budget_mib - run.peak) / per_layer)));
+      double room = s.steps ? (sizes.budget_mib - run.peak) / s.steps->slope : 1.0;
+      if (s.construction && s.construction->slope > 0) {
+        room = std::min(room, (build_cap - run.construction) / s.construction->slope);
+      }
+      next = lo + std::max<std::int64_t>(1, static_cast<std::int64_t>(std::floor(room)));
     } else {
       // The prediction is good to a layer or two: one below it first, then bisection.
       next = hi < 0 ? run.layers - 1 : (lo + run.layers) / 2;
@@ -594,25 +622,31 @@ int main(int argc, char** argv) {
       << "- *steps' peak*: the largest VmHWM over the ranks during the steps (reset once the "
       << "model and the Trainer are built); a size fits when it is within the budget. "
       << "*construction peak*: VmHWM until then. mixprec builds the fp32 model whole on every "
-      << "rank, then the Trainer casts and shards it; FSDP2 builds it on the meta device and "
-      << "allocates each rank's shards only. Both with MALLOC_MMAP_THRESHOLD_=65536, so that "
-      << "glibc returns freed tensors at once and the RSS follows the live memory.\n"
+      << "rank (a Trainer refuses a model already in bf16), then the Trainer casts and shards "
+      << "it; FSDP2 builds it on the meta device and allocates each rank's shards only. Both "
+      << "with MALLOC_MMAP_THRESHOLD_=65536, so that glibc returns freed tensors at once and "
+      << "the RSS follows the live memory.\n"
       << "- The search: two probe runs (" << (smoke ? "1 and 3" : "2 and 8") << " layers) give "
       << "the peaks' growth per layer (*B/param per layer*: bytes per parameter of a layer, "
       << "against *expected*: what the configuration keeps per parameter between steps); the "
-      << "line through them predicts the largest size, and runs at and next to it confirm it.\n"
+      << "lines through them predict the largest size, and runs at and next to it confirm it. "
+      << "A rank may take twice the budget while it is built, and no more than its share of "
+      << "the machine's available memory less " << bench::fixed(kReserveMiB, 0) << " MiB (all "
+      << "ranks build at once: the Trainer's construction is collective). *bound by*: which "
+      << "line gave the prediction, the steps' or the construction's; *steps alone*: the "
+      << "layers the steps' line alone allows.\n"
       << "- *state B/param*: what the largest rank holds after the steps, per parameter of the "
       << "model: Trainer::state_bytes() (weights, gradients, masters, AdamW's moments); FSDP2: "
       << "its parameters' and AdamW's tensors (zero_grad freed its gradients). *step s*: the "
       << "last step of the slowest rank.\n\n"
       << "| configuration | layers | parameters (M) | ratio to MixedO2 + DP | steps' peak MiB | "
       << "construction peak MiB | B/param per layer, steps | expected | B/param per layer, "
-      << "construction | state B/param | step s | layers run |\n"
-      << "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|\n";
+      << "construction | state B/param | step s | bound by | steps alone | layers run |\n"
+      << "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---|\n";
 
   std::optional<std::int64_t> baseline;
   std::vector<std::string> notes;
-  bool ok = true;  // no run failed, and the fp32-master rows' losses are the plain run's
+  bool ok = true;  // no run failed, and every loss is its reference's as required
   std::map<Kind, double> bases;  // the baseline RSS of a rank, per side
   for (const auto& c : configurations()) {
     if (!selected(c)) continue;
@@ -625,7 +659,7 @@ int main(int argc, char** argv) {
     };
     out << "| " << c.name << " | ";
     if (!s.blocked.empty()) {
-      out << "blocked | | | | | | " << expected << " | | | | " << layers_run(s) << " |\n";
+      out << "blocked | | | | | | " << expected << " | | | | | | " << layers_run(s) << " |\n";
       notes.push_back("*" + c.name + "*: refused by the library, every rank:" + s.blocked);
       continue;
     }
@@ -636,7 +670,7 @@ int main(int argc, char** argv) {
     }
     if (!s.failed.empty() || !s.best) {
       out << (s.failed.empty() ? "none fits" : "failed: " + s.failed) << " | | | | | | " << expected
-          << " | | | | " << layers_run(s) << " |\n";
+          << " | | | | | | " << layers_run(s) << " |\n";
       continue;
     }
     const auto& b = *s.best;
@@ -662,7 +696,9 @@ int main(int argc, char** argv) {
     out << " | " << slope(s.steps) << " | " << expected << " | " << slope(s.construction) << " | "
         << bench::fixed(b.state_bytes / static_cast<double>(b.parameters), 2) << " | "
         << bench::fixed(b.ms / 1000.0, 1) << (predicted_only ? " (" + std::to_string(b.layers) + " layers)" : "")
-        << " | " << layers_run(s) << " |\n";
+        << " | " << s.binds << " | "
+        << (s.steps_alone ? std::to_string(*s.steps_alone) : std::string()) << " | "
+        << layers_run(s) << " |\n";
     if (predicted_only) {
       notes.push_back("*" + c.name + "*, *: predicted by the line through its probe runs, not run "
                       "at that size (--predict-python, and --smoke); its state B/param and step "
@@ -690,52 +726,90 @@ int main(int argc, char** argv) {
   out << "\n";
   for (const auto& n : notes) out << "\n" << n << "\n";
 
-  // The losses: every C++ configuration on the same small model, weights and data.
+  // The losses: every C++ configuration on the same small model, weights and data, against a
+  // reference run without checkpointing or sharding. MixedO2's rows against MixedO2 + data
+  // parallel; the lean row against PureHalf<BFloat16, StochasticRounding<>> + data parallel
+  // (its own policy unsharded: stochastic rounding makes its weights differ from MixedO2's
+  // after the first step, by up to one bf16 ulp each, so only the same policy can be required
+  // to match at every step), which in turn is held to MixedO2 + data parallel's first loss
+  // (the same bf16 weights, the same forward pass) and shown beside its later ones.
   out << "\n### The first steps' losses, " << sizes.loss_layers
       << (sizes.loss_layers == 1 ? " layer" : " layers") << "\n\n"
       << "Every configuration on the same model, weights (seed 1) and data (each rank its own "
-      << "batch), " << sizes.loss_steps << " steps; each rank's loss at each step against MixedO2 "
-      << "+ data parallel's: the largest absolute difference over the ranks and steps, and "
-      << "relative to that loss.\n\n"
-      << "| configuration | rank 0's losses | largest difference | relative |\n"
-      << "|---|---|---:|---:|\n";
-  std::optional<Run> plain;
-  for (const auto& c : configurations()) {
+      << "batch, the same at each step), " << sizes.loss_steps << " steps; each rank's loss at "
+      << "each step against a reference run's (*against*): the largest absolute difference over "
+      << "the ranks at step 1 and at the later steps, and the largest relative to the "
+      << "reference's loss. Checkpointing and ZeRO-3 must not change a bit. The lean row is held "
+      << "to its own policy run unsharded, at every step, bitwise: stochastic rounding keeps no "
+      << "master, so after the first step its bf16 weights differ from MixedO2's (each by 0 or "
+      << "1 bf16 ulp: both are one of the two bf16 neighbours of the same fp32 update's result, "
+      << "MixedO2's the nearest), and no bound tighter than what the training itself moves "
+      << "would be justified; that policy's first loss must equal MixedO2's bitwise (the same "
+      << "bf16 weights, the same forward pass), its later ones are shown.\n\n"
+      << "| configuration | rank 0's losses | against | step 1's difference | later steps' "
+      << "difference | relative | required |\n"
+      << "|---|---|---|---:|---:|---:|---|\n";
+  auto loss_configurations = configurations();
+  const Config lean_plain{"PureHalf<BFloat16, StochasticRounding<>> + data parallel", Kind::lean,
+                          false, false};
+  std::map<std::string, Run> loss_runs;
+  for (const auto& c : loss_configurations) {
     if (c.kind == Kind::python || !selected(c)) continue;
-    const auto r = run_configuration(c, sizes.loss_layers, sizes.loss_steps, sizes, smoke, root);
-    out << "| " << c.name << " | ";
-    if (r.status == Run::Status::blocked) {
-      out << "blocked | | |\n";
-      continue;
-    }
-    if (r.status != Run::Status::fits || r.losses.empty()) {
-      out << "failed | | |\n";
-      ok = false;
-      continue;
-    }
-    for (std::size_t k = 0; k < r.losses[0].size(); ++k) {
-      char text[32];
-      std::snprintf(text, sizeof text, "%s%.6f", k ? ", " : "", r.losses[0][k]);
-      out << text;
-    }
-    if (!plain) plain = r;
-    double worst = 0, relative = 0;
-    for (std::size_t q = 0; q < r.losses.size(); ++q) {
-      for (std::size_t k = 0; k < r.losses[q].size(); ++k) {
-        const double d = std::abs(r.losses[q][k] - plain->losses[q][k]);
-        worst = std::max(worst, d);
-        relative = std::max(relative, d / std::abs(plain->losses[q][k]));
+    const bool lean_row = c.kind == Kind::lean;
+    for (const auto* config : lean_row ? std::vector<const Config*>{&lean_plain, &c}
+                                       : std::vector<const Config*>{&c}) {
+      const auto r = run_configuration(*config, sizes.loss_layers, sizes.loss_steps, sizes, smoke, root);
+      out << "| " << config->name << " | ";
+      if (r.status == Run::Status::blocked) {
+        out << "blocked | | | | | |\n";
+        continue;
       }
-    }
-    char text[64];
-    std::snprintf(text, sizeof text, " | %.3g | %.3g |\n", worst, relative);
-    out << text;
-    // Checkpointing and ZeRO-3 compute what the plain run does (bitwise on 2 and 4 ranks); the
-    // lean state rounds its moments to bf16, so its later losses may move.
-    if (c.kind == Kind::o2 && relative > 1e-5) {
-      ok = false;
-      std::cerr << "bench_largest_model: " << c.name << "'s losses differ from MixedO2 + data "
-                << "parallel's by " << relative << " relative\n";
+      if (r.status != Run::Status::fits || r.losses.empty()) {
+        out << "failed | | | | | |\n";
+        ok = false;
+        continue;
+      }
+      loss_runs[config->name] = r;
+      for (std::size_t k = 0; k < r.losses[0].size(); ++k) {
+        char text[32];
+        std::snprintf(text, sizeof text, "%s%.6f", k ? ", " : "", r.losses[0][k]);
+        out << text;
+      }
+      const std::string plain_name = configurations().front().name;
+      const std::string against = config == &c && lean_row ? lean_plain.name : plain_name;
+      if (config->name == plain_name) {
+        out << " | (the reference) | | | | |\n";
+        continue;
+      }
+      const auto reference = loss_runs.find(against);
+      if (reference == loss_runs.end()) {
+        out << " | " << against << ": did not run | | | | |\n";
+        ok = false;
+        continue;
+      }
+      const auto& ref = reference->second;
+      double first = 0, later = 0, relative = 0;
+      for (std::size_t q = 0; q < r.losses.size(); ++q) {
+        for (std::size_t k = 0; k < r.losses[q].size(); ++k) {
+          const double d = std::abs(r.losses[q][k] - ref.losses[q][k]);
+          double& worst = k == 0 ? first : later;
+          worst = std::max(worst, d);
+          relative = std::max(relative, d / std::abs(ref.losses[q][k]));
+        }
+      }
+      // Bitwise at every step, except the lean policy unsharded against MixedO2: at step 1.
+      const bool first_only = config == &lean_plain;
+      const bool met = first == 0 && (first_only || later == 0);
+      char text[160];
+      std::snprintf(text, sizeof text, " | %s | %.3g | %.3g | %.3g | %s%s |\n", against.c_str(), first,
+                    later, relative, first_only ? "step 1 bitwise" : "bitwise",
+                    met ? "" : ": NOT MET");
+      out << text;
+      if (!met) {
+        ok = false;
+        std::cerr << "bench_largest_model: " << config->name << "'s losses differ from " << against
+                  << "'s: by " << first << " at step 1, " << later << " later\n";
+      }
     }
   }
   out << "\nRun time " << bench::fixed(bench::ms_since(started) / 60000.0, 1)
