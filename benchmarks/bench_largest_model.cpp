@@ -378,6 +378,11 @@ Run run_configuration(const Config& c, std::int64_t layers, int steps, const Siz
   Run run;
   run.layers = layers;
   run.status = Run::Status::fits;
+  // A rank over the budget, or the machine's memory running low, ends a run as too large;
+  // a rank whose peer was killed meanwhile fails in a collective with an Error that is no
+  // refusal: the library refused the configuration only where every rank says so.
+  int errors = 0;
+  std::string error;
   for (int r = 0; r < sizes.world; ++r) {
     std::ifstream in(dir / ("rank" + std::to_string(r) + ".txt"));
     std::string word;
@@ -388,8 +393,8 @@ Run run_configuration(const Config& c, std::int64_t layers, int steps, const Siz
       run.status = Run::Status::over;
       run.note = phase;
     } else if (word == "error") {
-      std::getline(in, run.note);
-      run.status = Run::Status::blocked;
+      std::getline(in, error);
+      ++errors;
     } else if (word == "ok") {
       std::map<std::string, double> v;
       std::vector<double> losses;
@@ -405,6 +410,16 @@ Run run_configuration(const Config& c, std::int64_t layers, int steps, const Siz
       run.ms = std::max(run.ms, v["ms"]);
       run.losses.push_back(losses);
     }
+  }
+  if (run.status == Run::Status::fits && outcome.machine_memory) {
+    run.status = Run::Status::over;
+    run.note = "machine memory";
+  } else if (run.status == Run::Status::fits && errors == sizes.world) {
+    run.status = Run::Status::blocked;
+    run.note = error;
+  } else if (run.status == Run::Status::fits && errors > 0) {
+    run.status = Run::Status::failed;
+    run.note = "a rank failed:" + error;
   }
   if (run.status == Run::Status::fits) {
     if (!outcome.all_ok || static_cast<int>(run.losses.size()) != sizes.world) {
