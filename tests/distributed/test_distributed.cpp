@@ -1487,8 +1487,9 @@ struct UnitRun {
 template <class P>
 UnitRun train_units(Rank& r, int stage, int accumulation, std::optional<double> clip,
                     const std::vector<Batch>& data, std::int64_t per_rank, bool checkpointing,
-                    bool mapped = false, bool fused = false) {
+                    bool mapped = false, bool fused = false, bool built_low = false) {
   auto net = dyadic_unit_net(2000 + r.rank);  // rank 0's values reach every rank
+  if (built_low) net->to(P::low_dtype);
   if (checkpointing) mp::apply_checkpointing(net, {"h*"});
   if (mapped) mp::apply_precision_map<P>(net, mp::PrecisionMap().keep_fp32("out"));
   torch::optim::AdamW optimizer(net->parameters(), torch::optim::AdamWOptions(1.0 / 32).weight_decay(0.0625));
@@ -1523,15 +1524,17 @@ UnitRun train_units(Rank& r, int stage, int accumulation, std::optional<double> 
 
 template <class P>
 void zero3_equivalence(Rank& r, int accumulation, std::optional<double> clip, double tolerance,
-                       bool checkpointing = false, bool mapped = false, bool fused = false) {
+                       bool checkpointing = false, bool mapped = false, bool fused = false,
+                       bool built_low = false) {
   const std::int64_t per_rank = 4 * accumulation;
   const auto data = batches(5, per_rank * r.world, /*inf_step=*/3);
   const auto plain = train_units<P>(r, 0, accumulation, clip, data, per_rank, false, mapped, fused);
-  const auto sharded = train_units<P>(r, 3, accumulation, clip, data, per_rank, checkpointing, mapped, fused);
+  const auto sharded = train_units<P>(r, 3, accumulation, clip, data, per_rank, checkpointing,
+                                      mapped, fused, built_low);
   const auto name = "ZeRO-3 " + std::string(P::name) + " accumulation " + std::to_string(accumulation) +
                     (clip ? " clip " + std::to_string(*clip) : std::string()) +
                     (checkpointing ? " checkpointed" : "") + (mapped ? " head fp32" : "") +
-                    (fused ? " fused" : "");
+                    (fused ? " fused" : "") + (built_low ? " built in bf16" : "");
   RANK_EXPECT(sharded.statuses == plain.statuses, name);
   RANK_EXPECT(sharded.statuses[3] == mp::StepStatus::skipped, name);
   double worst = 0;
@@ -1554,9 +1557,13 @@ void zero3_equivalence(Rank& r, int accumulation, std::optional<double> clip, do
   RANK_EXPECT(sharded.released, name << ": a unit's weights were whole between steps");
   RANK_EXPECT(!plain.released, name << ": the check of released weights is blind");
   // What stays whole: the first layer and the frozen unit; the units' bytes are released
-  // (a lean storage keeps this rank's slices of them in bf16, counted as weights).
-  const auto kept = mp::detail::piece_storage_of<P>.lean_masters() ? plain.bytes.weights / r.world : 0;
+  // (a lean storage, or PureHalf's pieces, keep this rank's slices of them in bf16, counted as
+  // weights).
+  const bool low_pieces = mp::detail::piece_storage_of<P>.lean_masters() || (P::cast_model && !P::master_weights);
+  const auto kept = low_pieces ? plain.bytes.weights / r.world : 0;
   RANK_EXPECT(sharded.bytes.weights < plain.bytes.weights / 2 + kept, name);
+  // A policy without masters keeps none sharded either: its units' pieces are its weights.
+  if constexpr (P::cast_model && !P::master_weights) RANK_EXPECT(sharded.bytes.masters == 0, name);
   RANK_EXPECT(same_on_every_rank(r, sharded.fp32.back()), name << ": ranks differ");
 }
 
@@ -1568,6 +1575,11 @@ void case_zero3_equivalence(Rank& r) {
   zero3_equivalence<mp::MixedO2<at::BFloat16>>(r, 1, 0.5, 1e-6);
   zero3_equivalence<mp::MixedO2<at::BFloat16>>(r, 2, std::nullopt, 1e-6);
   zero3_equivalence<mp::MixedO1<at::BFloat16>>(r, 1, 0.5, 1e-6);
+  // No masters: the units' pieces are bf16 (no fp32 copy: checked by their bytes) and stepped
+  // as the unsharded bf16 weights are. Sharded, their gradients accumulate in the fp32 reduce
+  // dtype and the clipping norm sums the fp32 slices, where data parallel rounds both to bf16
+  // first: the bf16 weights part by an ulp here and there (data parallel's PureHalf bound).
+  zero3_equivalence<mp::PureHalf<at::BFloat16>>(r, 2, 0.5, 0.125);
   zero3_equivalence<mp::MixedO2<at::BFloat16>>(r, 1, 0.5, 1e-6, /*checkpointing=*/true);
   zero3_equivalence<mp::MixedO2<at::BFloat16>>(r, 2, 0.5, 1e-6, false, /*mapped=*/true);
   // Lean storages: each rank keeps its units' slices as bf16 values (and remainders).
@@ -1575,6 +1587,10 @@ void case_zero3_equivalence(Rank& r) {
   zero3_equivalence<mp::PureHalf<at::BFloat16, mp::StochasticRounding<>>>(r, 1, 0.5, 1e-6, true);
   zero3_equivalence<mp::PureHalf<at::BFloat16, mp::StochasticRounding<>>>(r, 2, 0.5, 1e-6, false,
                                                                           false, /*fused=*/true);
+  // A model built in bf16 (PureHalf takes it: the state its cast would make) against the fp32
+  // one unsharded: its construction never holds the fp32 model (the headline's lean row).
+  zero3_equivalence<mp::PureHalf<at::BFloat16, mp::StochasticRounding<>>>(
+      r, 1, std::nullopt, 1e-6, /*checkpointing=*/true, false, /*fused=*/true, /*built_low=*/true);
 }
 
 // Checkpoints of sharded parameters: `zero3_save` (3 ranks) saves after step 3 and goes on to

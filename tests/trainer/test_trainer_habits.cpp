@@ -15,6 +15,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <tuple>
 #include <vector>
 
 namespace mp = mixprec;
@@ -31,6 +32,16 @@ struct Mlp : torch::nn::Module {
   }
   at::Tensor forward(const at::Tensor& x) { return fc2->forward(torch::tanh(fc1->forward(x))); }
   torch::nn::Linear fc1{nullptr}, fc2{nullptr};
+};
+
+// Mlp with a head that a precision map can keep in fp32.
+struct MappedMlp : torch::nn::Module {
+  MappedMlp() {
+    fc1 = register_module("fc1", torch::nn::Linear(12, 16));
+    fc2 = register_module("fc2", mp::nn::Mappable<torch::nn::Linear>(16, 3));
+  }
+  torch::nn::Linear fc1{nullptr};
+  mp::nn::Mappable<torch::nn::Linear> fc2{nullptr};
 };
 
 struct Data {
@@ -265,6 +276,63 @@ struct MyAdamW : torch::optim::AdamW {
   using torch::optim::AdamW::AdamW;
 };
 }  // namespace
+
+TEST_CASE_TEMPLATE("PureHalf takes a model built in its Low dtype (model.to(torch.bfloat16)) as the fp32 one it casts",
+                   P, mp::PureHalf<at::BFloat16>, mp::PureHalf<at::Half>,
+                   mp::PureHalf<at::BFloat16, mp::StochasticRounding<>>) {
+  // The pure-bf16 habit: cast the model, then build the optimizer (torchao's bf16 AdamW wants
+  // it so). PureHalf keeps nothing but the Low weights, so both starts are the same state.
+  auto train = [](bool built_low) {
+    auto net = (torch::manual_seed(3), std::make_shared<Mlp>());
+    if (built_low) net->to(P::low_dtype);
+    // eps 1e-4: PureHalf<Half> keeps AdamW's state in fp16, where 1e-8 is 0 (an Error).
+    torch::optim::AdamW opt(net->parameters(), torch::optim::AdamWOptions(1e-2).eps(1e-4));
+    mp::Trainer<P> trainer(net, opt);
+    Data data;
+    const auto first = test::snapshot(net->parameters());
+    std::int64_t stepped = 0;
+    for (std::int64_t i = 0; i < 6; ++i) {
+      stepped += trainer.step([&] {
+        return torch::nn::functional::cross_entropy(
+            net->forward(trainer.cast_input(data.xs(i))).to(torch::kFloat), data.ys(i));
+      }).stepped();
+    }
+    return std::make_tuple(test::snapshot(net->parameters()), stepped, first);
+  };
+  const auto [cast, cast_steps, cast_first] = train(false);
+  const auto [low, low_steps, low_first] = train(true);
+  INFO("largest difference ", test::max_abs_diff(low, cast), "; steps applied ", low_steps, " and ",
+       cast_steps);
+  CHECK(test::identical(low, cast));
+  CHECK(low_steps == cast_steps);
+  CHECK(low_steps > 0);
+  CHECK_FALSE(test::identical(low, low_first));  // it trained
+  CHECK(low[0].scalar_type() == P::low_dtype);
+}
+
+TEST_CASE("a Low model PureHalf cannot take is an Error that changes nothing: another Low dtype, a module mapped to fp32") {
+  auto half = std::make_shared<Mlp>();
+  half->to(at::kHalf);
+  torch::optim::AdamW half_opt(half->parameters(), torch::optim::AdamWOptions(1e-2));
+  CHECK_THROWS_WITH_AS((mp::Trainer<mp::PureHalf<at::BFloat16>>(half, half_opt)),
+                       doctest::Contains("expects an fp32 model"), mp::Error);
+  // MixedO2 would make its masters from the rounded values: still refused (test_trainer.cpp).
+  auto mapped = std::make_shared<MappedMlp>();
+  mapped->to(at::kBFloat16);
+  mp::apply_precision_map<mp::PureHalf<at::BFloat16>>(mapped, mp::PrecisionMap().keep_fp32("fc2"));
+  const auto before = test::snapshot(mapped->parameters());
+  torch::optim::AdamW opt(mapped->parameters(), torch::optim::AdamWOptions(1e-2));
+  CHECK_THROWS_WITH_AS((mp::Trainer<mp::PureHalf<at::BFloat16>>(mapped, opt)),
+                       doctest::Contains("parameter 'fc2.weight' is BFloat16, but its module "
+                                         "trains in fp32"), mp::Error);
+  CHECK(test::identical(test::snapshot(mapped->parameters()), before));
+  CHECK(mapped->fc2->inner()->weight.scalar_type() == at::kBFloat16);
+  // Built in fp32 where the map says, the rest in bf16: taken.
+  mapped->fc2->to(at::kFloat);
+  mp::Trainer<mp::PureHalf<at::BFloat16>> trainer(mapped, opt);
+  CHECK(mapped->fc1->weight.scalar_type() == at::kBFloat16);
+  CHECK(mapped->fc2->inner()->weight.scalar_type() == at::kFloat);
+}
 
 TEST_CASE("the fused-optimizer Error names the optimizer's type readably" *
           doctest::skip(!mp::fused_adam_available)) {

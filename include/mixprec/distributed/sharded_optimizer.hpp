@@ -51,7 +51,8 @@ class ShardedOptimizer {
   /// element in this rank's slices leaves the optimizer. Every other tensor the optimizer holds
   /// must be a piece already. Collective; the reducer's bind() hooks the gradients next.
   /// `unit_of` (ZeRO-3): the unit of each tensor that is in one, of `unit_count`; returns each
-  /// unit's buckets, its tensors' pieces are always copies. `storage`: a lean one keeps the
+  /// unit's buckets, its tensors' pieces are always copies (fp32 where `copies`, else in the
+  /// tensor's dtype). `storage`: a lean one keeps the
   /// copies of bf16 tensors as LeanPieces.
   std::vector<BucketRange> shard(torch::optim::Optimizer& optimizer,
                                  const std::vector<std::pair<at::Tensor, at::Tensor>>& fresh,
@@ -139,10 +140,13 @@ class ShardedOptimizer {
         if (from >= to) continue;
         slot.piece_from = from;
         const auto& fp32 = fresh[fresh_index.at(slot.param.unsafeGetTensorImpl())].second;
-        // A unit's weights are released between uses: its pieces are the only copy.
+        // A unit's weights are released between uses: its pieces are the only copy, fp32 where
+        // they are masters, else in the model's dtype (PureHalf steps its bf16 weights as they
+        // are, sharded or not).
         slot.copy = slot.unit || (copies && slot.param.scalar_type() != at::kFloat);
         const auto& value = fp32.defined() ? fp32 : slot.param;
-        slot.piece = slot.copy ? value.detach().to(at::kFloat).reshape({-1}).narrow(0, from, to - from).clone()
+        const auto dtype = copies ? at::kFloat : slot.param.scalar_type();
+        slot.piece = slot.copy ? value.detach().to(dtype).reshape({-1}).narrow(0, from, to - from).clone()
                                : slot.param.detach().view({-1}).narrow(0, from, to - from);
         piece_slot_[slot.piece.unsafeGetTensorImpl()] = i;
       }

@@ -2,10 +2,11 @@
 // Owns ZeRO-3's units (DistributedOptions::shard_parameters): the wrapper modules that the unit
 // patterns name, the parameters each one holds, and what happens around their forward. Between
 // a unit's uses its parameters' bytes are released (param_storage.hpp) and each rank keeps its
-// pieces (ShardedOptimizer, fp32 copies); before its forward every rank's pieces are gathered
-// into them in the model's dtype, after it they are released, and an alias of its output
-// gathers them again before its backward. The gradient reducer releases each parameter once
-// its gradient is in its bucket, and finish() releases what is left.
+// pieces (ShardedOptimizer: copies, fp32 where they are masters); before its forward every
+// rank's pieces are gathered into them in the model's dtype, after it they are released, and
+// an alias of its output gathers them again before its backward. The gradient reducer
+// releases each parameter once its gradient is in its bucket, and finish() releases what is
+// left.
 //
 // Parameters outside every unit, and frozen ones, stay whole on every rank (ZeRO-2).
 

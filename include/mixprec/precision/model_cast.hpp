@@ -178,6 +178,20 @@ class CastRecord {
   }
 };
 
+/// The parameters cast_model leaves in fp32: BatchNorm's when `keep_batch_norm_fp32`, and those
+/// of the modules a precision map keeps in fp32.
+inline std::vector<at::Tensor> parameters_kept_fp32(const torch::nn::Module& model,
+                                                    bool keep_batch_norm_fp32) {
+  auto& registry = PrecisionRegistry::instance();
+  std::vector<at::Tensor> kept;
+  for (const auto& item : model.named_modules()) {
+    const auto& module = *item.value();
+    if (!(keep_batch_norm_fp32 && is_batch_norm(module)) && !registry.kept_fp32(module)) continue;
+    for (const auto& p : module.parameters(/*recurse=*/false)) kept.push_back(p);
+  }
+  return kept;
+}
+
 /// Casts every floating parameter and buffer of `model` to `dtype`, except BatchNorm's when
 /// `keep_batch_norm_fp32` and those of the modules a precision map keeps in fp32; with `only`,
 /// just those of its parameters that are fp32 (a param group added after construction).

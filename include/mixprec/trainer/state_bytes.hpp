@@ -85,7 +85,8 @@ inline TrainingStateBytes state_bytes(const torch::nn::Module& model, const Mast
   }
   if (group != nullptr) {
     // Sharded: the optimizer's tensors that are not the model's are this rank's masters (a
-    // piece that is a view of an fp32 parameter was counted with the weights); the pieces'
+    // piece that is a view of an fp32 parameter was counted with the weights), or, in a Low
+    // dtype, what it keeps of a ZeRO-3 unit's weights (PureHalf: no masters); the pieces'
     // gradients are views of the buffers.
     for (const auto& t : group->buffers()) bytes.gradients += count.add(t);
     // A lean storage of the pieces (their placeholders count a few bytes): ZeRO-3 units' bf16
@@ -94,7 +95,7 @@ inline TrainingStateBytes state_bytes(const torch::nn::Module& model, const Mast
     bytes.masters += group->lean_bytes(/*weights=*/false);
     for (const auto& g : optimizer.param_groups()) {
       for (const auto& p : g.params()) {
-        bytes.masters += count.add(p);
+        (p.scalar_type() == at::kFloat ? bytes.masters : bytes.weights) += count.add(p);
         bytes.gradients += count.add(p.grad());
       }
     }

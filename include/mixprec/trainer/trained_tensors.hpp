@@ -29,10 +29,18 @@
 
 namespace mixprec::detail {
 
+/// PureHalf takes a model built in its Low dtype as well as an fp32 one: its Low weights are all
+/// it keeps (stochastic rounding keeps nothing more), so the cast's result and a model cast
+/// before it are the same state. MixedO2's masters would start from the rounded values.
+template <class P>
+inline constexpr bool takes_low_model =
+    P::cast_model && (storage_of<P>::masters == MasterStorage::none ||
+                      storage_of<P>::masters == MasterStorage::stochastic);
+
 template <class P>
 class TrainedTensors {
  public:
-  /// Checks that `model` is an fp32 CPU or CUDA model that no live Trainer trains and that
+  /// Checks that `model` is an fp32 (PureHalf: or Low) CPU or CUDA model that no live Trainer trains and that
   /// `optimizer` holds its tensors (each in one group), and claims it; changes nothing else.
   TrainedTensors(const torch::nn::Module& model, const torch::optim::Optimizer& optimizer) {
     const auto named = model.named_parameters();
@@ -41,8 +49,21 @@ class TrainedTensors {
     // Trainer's, not a Low model of the user's.
     const auto params = unique_tensors(model.parameters());
     claim_ = ModelClaim::acquire(params, P::name);
+    const auto kept_fp32 = identities(parameters_kept_fp32(model, P::keep_batch_norm_fp32));
     for (const auto& item : named) {
       const auto dtype = item.value().scalar_type();
+      if constexpr (takes_low_model<P>) {
+        // PureHalf: a model built in its Low dtype (Python's model.to(torch.bfloat16)) is what
+        // the cast would make of it, where the policy casts it.
+        if (dtype == P::low_dtype) {
+          MIXPREC_CHECK(kept_fp32.count(item.value().unsafeGetTensorImpl()) == 0, "parameter '",
+                        item.key(), "' is ", dtype, ", but its module trains in fp32 under "
+                        "Trainer<", P::name, "> (the precision map keeps it so): build that "
+                        "module in fp32, or leave it out of the map");
+          check_device(item.key(), item.value().device());
+          continue;
+        }
+      }
       if (at::isFloatingType(dtype) && dtype != at::kFloat) {
         if (const auto cast_by = CastRecord::policy_of(item.value())) {
           fail("parameter '", item.key(), "' is ", dtype, " because an earlier Trainer<",
@@ -57,11 +78,7 @@ class TrainedTensors {
              "an fp32 model and casts it itself: build the model in fp32 (drop the ->to(",
              dtype, "))");
       }
-      const auto device = item.value().device();
-      MIXPREC_CHECK(device.is_cpu() || device.is_cuda(), "parameter '", item.key(), "' is on ",
-                    device, ", but Trainer<", P::name, "> trains CPU and CUDA tensors (autocast "
-                    "and the loss scaler know no other device): move the model with "
-                    "->to(torch::kCPU) or ->to(torch::kCUDA)");
+      check_device(item.key(), item.value().device());
     }
     if constexpr (P::master_weights) {
       MasterWeights::check_rebindable(params, optimizer);
@@ -87,7 +104,9 @@ class TrainedTensors {
     if constexpr (P::cast_model) {
       std::vector<at::Tensor> fp32_values;
       if constexpr (P::master_weights) {
-        for (const auto& p : params_) fp32_values.push_back(p.detach().clone());
+        for (const auto& p : params_) {
+          fp32_values.push_back(p.detach().to(at::kFloat, /*non_blocking=*/false, /*copy=*/true));
+        }
       }
       cast_model(model, P::low_dtype, P::keep_batch_norm_fp32, P::name);
       if constexpr (P::master_weights) {
@@ -340,6 +359,13 @@ class TrainedTensors {
     dedupe_param_groups(optimizer);
     shards_->shard(optimizer, pairs, P::master_weights, piece_storage_of<P>);
     record_binding(optimizer);
+  }
+
+  static void check_device(const std::string& name, const c10::Device& device) {
+    MIXPREC_CHECK(device.is_cpu() || device.is_cuda(), "parameter '", name, "' is on ", device,
+                  ", but Trainer<", P::name, "> trains CPU and CUDA tensors (autocast and the "
+                  "loss scaler know no other device): move the model with ->to(torch::kCPU) or "
+                  "->to(torch::kCUDA)");
   }
 
   StepGroup* shards_ = nullptr;              // sharded data parallel: the group
