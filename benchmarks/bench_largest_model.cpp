@@ -239,15 +239,8 @@ int train_rank(const RankArgs& a, Watchdog& watchdog, const std::string& out_pat
   // PureHalf takes the model in bf16, as Python's pure-bf16 runs hand it over (model.to(
   // torch.bfloat16) before the optimizer): the state its cast would make, and the fp32 model is
   // gone before the Trainer is built.
-  // (LibTorch's Module::to(dtype) casts the integer buffers too, the position ids among them;
-  // Python's casts the floating ones only, as this does.)
-  if constexpr (mp::detail::takes_low_model<P>) {
-    at::NoGradGuard no_grad;
-    for (auto& p : model->parameters()) p.set_data(p.data().to(P::low_dtype));
-    for (auto& b : model->buffers()) {
-      if (at::isFloatingType(b.scalar_type())) b.set_data(b.data().to(P::low_dtype));
-    }
-  }
+  // (cast_floating, not LibTorch's to(dtype), which casts the position ids too.)
+  if constexpr (mp::detail::takes_low_model<P>) mp::cast_floating(*model, P::low_dtype);
   std::int64_t parameters = 0;
   for (const auto& p : model->parameters()) parameters += p.numel();
   if (a.checkpoint) mp::apply_checkpointing(model, {kLayers});

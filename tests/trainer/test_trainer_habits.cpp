@@ -310,6 +310,23 @@ TEST_CASE_TEMPLATE("PureHalf takes a model built in its Low dtype (model.to(torc
   CHECK(low[0].scalar_type() == P::low_dtype);
 }
 
+TEST_CASE("cast_floating casts as Python's model.to(torch.bfloat16): integer buffers stay, identities are kept") {
+  torch::nn::Sequential net(torch::nn::Embedding(10, 4), torch::nn::BatchNorm1d(4));
+  net->register_buffer("position_ids", torch::arange(6));
+  const auto weight = net[0]->as<torch::nn::Embedding>()->weight;
+  const auto tracked = net[1]->as<torch::nn::BatchNorm1d>()->num_batches_tracked;
+  mp::cast_floating(*net, at::kBFloat16);
+  CHECK(weight.scalar_type() == at::kBFloat16);  // the same tensor, cast in place
+  CHECK(net[1]->as<torch::nn::BatchNorm1d>()->running_mean.scalar_type() == at::kBFloat16);
+  CHECK(tracked.scalar_type() == at::kLong);
+  CHECK(net->named_buffers()["position_ids"].scalar_type() == at::kLong);
+  // LibTorch's own to(dtype), for contrast: the integer buffers too.
+  net->to(at::kBFloat16);
+  CHECK(net->named_buffers()["position_ids"].scalar_type() == at::kBFloat16);
+  CHECK_THROWS_WITH_AS(mp::cast_floating(*net, at::kLong), doctest::Contains("not a floating-point"),
+                       mp::Error);
+}
+
 TEST_CASE("a Low model PureHalf cannot take is an Error that changes nothing: another Low dtype, a module mapped to fp32") {
   auto half = std::make_shared<Mlp>();
   half->to(at::kHalf);

@@ -244,3 +244,24 @@ inline void check_dense_gradients(const torch::nn::Module& model, const std::vec
 }
 
 }  // namespace mixprec::detail
+
+namespace mixprec {
+
+/// Casts the floating-point parameters and buffers of `model` to `dtype`, as Python's
+/// `model.to(torch.bfloat16)` does, one tensor at a time (each keeps its identity). LibTorch's
+/// `model->to(dtype)` casts every tensor, the integer ones too: an encoder's position ids, whose
+/// embedding lookup then fails, or BatchNorm's num_batches_tracked, which stops counting at 256
+/// in bf16. For a model handed to a PureHalf Trainer already in its Low dtype.
+inline void cast_floating(torch::nn::Module& model, at::ScalarType dtype) {
+  MIXPREC_CHECK(at::isFloatingType(dtype), "cast_floating: ", dtype, " is not a floating-point "
+                "dtype");
+  at::NoGradGuard no_grad;
+  for (auto& p : model.parameters()) {
+    if (at::isFloatingType(p.scalar_type())) p.set_data(p.data().to(dtype));
+  }
+  for (auto& b : model.buffers()) {
+    if (at::isFloatingType(b.scalar_type())) b.set_data(b.data().to(dtype));
+  }
+}
+
+}  // namespace mixprec

@@ -9,6 +9,7 @@
 #include <mixprec/core/error.hpp>
 #include <mixprec/optim/master_weights.hpp>
 #include <mixprec/precision/model_cast.hpp>
+#include <mixprec/trainer/model_checks.hpp>
 #include <mixprec/distributed/step_group.hpp>
 #include <mixprec/core/tensor_set.hpp>
 #include <mixprec/trainer/gradient_hold.hpp>
@@ -29,19 +30,12 @@
 
 namespace mixprec::detail {
 
-/// PureHalf takes a model built in its Low dtype as well as an fp32 one: its Low weights are all
-/// it keeps (stochastic rounding keeps nothing more), so the cast's result and a model cast
-/// before it are the same state. MixedO2's masters would start from the rounded values.
-template <class P>
-inline constexpr bool takes_low_model =
-    P::cast_model && (storage_of<P>::masters == MasterStorage::none ||
-                      storage_of<P>::masters == MasterStorage::stochastic);
-
 template <class P>
 class TrainedTensors {
  public:
-  /// Checks that `model` is an fp32 (PureHalf: or Low) CPU or CUDA model that no live Trainer trains and that
-  /// `optimizer` holds its tensors (each in one group), and claims it; changes nothing else.
+  /// Checks that `model` is a model Trainer<P> takes (model_checks.hpp) that no live Trainer
+  /// trains and that `optimizer` holds its tensors (each in one group), and claims it; changes
+  /// nothing else.
   TrainedTensors(const torch::nn::Module& model, const torch::optim::Optimizer& optimizer) {
     const auto named = model.named_parameters();
     MIXPREC_CHECK(named.size() > 0, "the model has no parameters: nothing to train");
@@ -49,37 +43,7 @@ class TrainedTensors {
     // Trainer's, not a Low model of the user's.
     const auto params = unique_tensors(model.parameters());
     claim_ = ModelClaim::acquire(params, P::name);
-    const auto kept_fp32 = identities(parameters_kept_fp32(model, P::keep_batch_norm_fp32));
-    for (const auto& item : named) {
-      const auto dtype = item.value().scalar_type();
-      if constexpr (takes_low_model<P>) {
-        // PureHalf: a model built in its Low dtype (Python's model.to(torch.bfloat16)) is what
-        // the cast would make of it, where the policy casts it.
-        if (dtype == P::low_dtype) {
-          MIXPREC_CHECK(kept_fp32.count(item.value().unsafeGetTensorImpl()) == 0, "parameter '",
-                        item.key(), "' is ", dtype, ", but its module trains in fp32 under "
-                        "Trainer<", P::name, "> (the precision map keeps it so): build that "
-                        "module in fp32, or leave it out of the map");
-          check_device(item.key(), item.value().device());
-          continue;
-        }
-      }
-      if (at::isFloatingType(dtype) && dtype != at::kFloat) {
-        if (const auto cast_by = CastRecord::policy_of(item.value())) {
-          fail("parameter '", item.key(), "' is ", dtype, " because an earlier Trainer<",
-               *cast_by, "> cast this model (a Trainer casts its model in place, and it stays "
-               "cast after that Trainer is gone). Keep training with one Trainer (assign a new "
-               "optimizer to its optimizer to change the learning rate or reset the state: it "
-               "adopts it), or give the new Trainer an fp32 model: keep the first Trainer's "
-               "fp32_state_dict() (its exact fp32 weights) before it goes, and load it into "
-               "the model after model->to(torch::kFloat)");
-        }
-        fail("parameter '", item.key(), "' is ", dtype, ", but Trainer<", P::name, "> expects "
-             "an fp32 model and casts it itself: build the model in fp32 (drop the ->to(",
-             dtype, "))");
-      }
-      check_device(item.key(), item.value().device());
-    }
+    check_model_dtypes<P>(model);
     if constexpr (P::master_weights) {
       MasterWeights::check_rebindable(params, optimizer);
       check_dense_gradients(model, optimizer_tensors(optimizer), P::name);
@@ -166,7 +130,7 @@ class TrainedTensors {
       for (const auto& p : unique_tensors(optimizer_tensors(optimizer))) {
         if (ids.count(p.unsafeGetTensorImpl()) == 1) fresh.push_back(p);
       }
-      check_fp32(fresh);
+      check_added_dtypes<P>(fresh);
       MIXPREC_CHECK(fresh.empty() || !shards_->shards_parameters(), "a param group was added to "
                     "the optimizer after the Trainer was built, with DistributedOptions::"
                     "shard_parameters, whose units are laid out once: put every parameter in "
@@ -191,7 +155,7 @@ class TrainedTensors {
     for (const auto& p : fresh) {
       if (!masters_ || p.scalar_type() == at::kFloat) fresh_fp32.push_back(p);
     }
-    check_fp32(fresh_fp32);
+    check_added_dtypes<P>(fresh_fp32);
     if (masters_) check_dense_gradients(model, fresh, P::name);
     auto claim = ModelClaim::acquire(params, P::name, claim_.get());
     auto device_types = autocast_device_types(params);
@@ -333,15 +297,6 @@ class TrainedTensors {
                   "Trainer with a new optimizer and load");
   }
 
-  void check_fp32(const std::vector<at::Tensor>& fresh) const {
-    for (const auto& p : fresh) {
-      const auto dtype = p.scalar_type();
-      MIXPREC_CHECK(dtype == at::kFloat || (P::cast_model && dtype == P::low_dtype), "the "
-                    "optimizer holds a ", dtype, " tensor of shape ", p.sizes(), ", but Trainer<",
-                    P::name, "> trains fp32 tensors and casts them itself: register it in fp32");
-    }
-  }
-
   // Sharded: casts the model (`whole`) or `fresh` (the optimizer's model tensors not yet
   // sharded) as P says, and hands `fresh` to the group with their fp32 values, from which the
   // pieces that are masters are made (a detached tensor keeps the fp32 storage that the cast's
@@ -359,13 +314,6 @@ class TrainedTensors {
     dedupe_param_groups(optimizer);
     shards_->shard(optimizer, pairs, P::master_weights, piece_storage_of<P>);
     record_binding(optimizer);
-  }
-
-  static void check_device(const std::string& name, const c10::Device& device) {
-    MIXPREC_CHECK(device.is_cpu() || device.is_cuda(), "parameter '", name, "' is on ", device,
-                  ", but Trainer<", P::name, "> trains CPU and CUDA tensors (autocast and the "
-                  "loss scaler know no other device): move the model with ->to(torch::kCPU) or "
-                  "->to(torch::kCUDA)");
   }
 
   StepGroup* shards_ = nullptr;              // sharded data parallel: the group
