@@ -1576,10 +1576,11 @@ void case_zero3_equivalence(Rank& r) {
   zero3_equivalence<mp::MixedO2<at::BFloat16>>(r, 2, std::nullopt, 1e-6);
   zero3_equivalence<mp::MixedO1<at::BFloat16>>(r, 1, 0.5, 1e-6);
   // No masters: the units' pieces are bf16 (no fp32 copy: checked by their bytes) and stepped
-  // as the unsharded bf16 weights are. Sharded, their gradients accumulate in the fp32 reduce
-  // dtype and the clipping norm sums the fp32 slices, where data parallel rounds both to bf16
-  // first: the bf16 weights part by an ulp here and there (data parallel's PureHalf bound).
-  zero3_equivalence<mp::PureHalf<at::BFloat16>>(r, 2, 0.5, 0.125);
+  // as the unsharded bf16 weights are. Sharded, the clipping norm sums the fp32 slices (and
+  // micro-batches accumulate in the fp32 reduce dtype), where data parallel rounds the
+  // gradients to bf16 first: from step 2 the bf16 weights part by an ulp here and there
+  // (measured 0.015 at 2 ranks, 0.012 at 3; with accumulation 0.024 and 0.118).
+  zero3_equivalence<mp::PureHalf<at::BFloat16>>(r, 1, 0.5, 0.05);
   zero3_equivalence<mp::MixedO2<at::BFloat16>>(r, 1, 0.5, 1e-6, /*checkpointing=*/true);
   zero3_equivalence<mp::MixedO2<at::BFloat16>>(r, 2, 0.5, 1e-6, false, /*mapped=*/true);
   // Lean storages: each rank keeps its units' slices as bf16 values (and remainders).

@@ -277,11 +277,12 @@ struct MyAdamW : torch::optim::AdamW {
 };
 }  // namespace
 
-TEST_CASE_TEMPLATE("PureHalf takes a model built in its Low dtype (model.to(torch.bfloat16)) as the fp32 one it casts",
-                   P, mp::PureHalf<at::BFloat16>, mp::PureHalf<at::Half>,
-                   mp::PureHalf<at::BFloat16, mp::StochasticRounding<>>) {
-  // The pure-bf16 habit: cast the model, then build the optimizer (torchao's bf16 AdamW wants
-  // it so). PureHalf keeps nothing but the Low weights, so both starts are the same state.
+namespace {
+
+// The pure-bf16 habit: cast the model, then build the optimizer (torchao's bf16 AdamW wants it
+// so). PureHalf keeps nothing but the Low weights, so both starts are the same state.
+template <class P>
+void check_takes_low_model() {
   auto train = [](bool built_low) {
     auto net = (torch::manual_seed(3), std::make_shared<Mlp>());
     if (built_low) net->to(P::low_dtype);
@@ -308,6 +309,18 @@ TEST_CASE_TEMPLATE("PureHalf takes a model built in its Low dtype (model.to(torc
   CHECK(low_steps > 0);
   CHECK_FALSE(test::identical(low, low_first));  // it trained
   CHECK(low[0].scalar_type() == P::low_dtype);
+}
+
+}  // namespace
+
+TEST_CASE_TEMPLATE("PureHalf takes a model built in its Low dtype (model.to(torch.bfloat16)) as the fp32 one it casts",
+                   P, mp::PureHalf<at::BFloat16>, mp::PureHalf<at::BFloat16, mp::StochasticRounding<>>) {
+  check_takes_low_model<P>();
+}
+
+TEST_CASE("PureHalf<Half> takes a model built in fp16 as the fp32 one it casts" *
+          doctest::skip(!mp::cpu_half_math)) {
+  check_takes_low_model<mp::PureHalf<at::Half>>();
 }
 
 TEST_CASE("cast_floating casts as Python's model.to(torch.bfloat16): integer buffers stay, identities are kept") {

@@ -52,8 +52,7 @@ class ShardedOptimizer {
   /// must be a piece already. Collective; the reducer's bind() hooks the gradients next.
   /// `unit_of` (ZeRO-3): the unit of each tensor that is in one, of `unit_count`; returns each
   /// unit's buckets, its tensors' pieces are always copies (fp32 where `copies`, else in the
-  /// tensor's dtype). `storage`: a lean one keeps the
-  /// copies of bf16 tensors as LeanPieces.
+  /// tensor's dtype). `storage`: a lean one keeps the copies of bf16 tensors as LeanPieces.
   std::vector<BucketRange> shard(torch::optim::Optimizer& optimizer,
                                  const std::vector<std::pair<at::Tensor, at::Tensor>>& fresh,
                                  bool copies, PieceStorage storage = {},
