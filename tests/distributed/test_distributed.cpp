@@ -1559,11 +1559,12 @@ void zero3_equivalence(Rank& r, int accumulation, std::optional<double> clip, do
   // What stays whole: the first layer and the frozen unit; the units' bytes are released
   // (a lean storage, or PureHalf's pieces, keep this rank's slices of them in bf16, counted as
   // weights).
-  const bool low_pieces = mp::detail::piece_storage_of<P>.lean_masters() || (P::cast_model && !P::master_weights);
+  constexpr bool no_masters = P::cast_model && !P::master_weights;
+  const bool low_pieces = mp::detail::piece_storage_of<P>.lean_masters() || no_masters;
   const auto kept = low_pieces ? plain.bytes.weights / r.world : 0;
   RANK_EXPECT(sharded.bytes.weights < plain.bytes.weights / 2 + kept, name);
   // A policy without masters keeps none sharded either: its units' pieces are its weights.
-  if constexpr (P::cast_model && !P::master_weights) RANK_EXPECT(sharded.bytes.masters == 0, name);
+  if constexpr (no_masters) RANK_EXPECT(sharded.bytes.masters == 0, name);
   RANK_EXPECT(same_on_every_rank(r, sharded.fp32.back()), name << ": ranks differ");
 }
 
