@@ -1,6 +1,7 @@
 #pragma once
-/// lean_adam_step: torch::optim::Adam's or AdamW's step over MasterWeights with a lean storage,
-/// through the one-pass kernel of lean_adam.hpp, on the CPU: TrainerOptions::fused_optimizer
+/// lean_adam_step: torch::optim::Adam's or AdamW's step over lean masters (MasterWeights', or,
+/// sharded, a rank's pieces: LeanTargets names each tensor's), through the one-pass kernel of
+/// lean_adam.hpp, on the CPU: TrainerOptions::fused_optimizer
 /// under RemainderMasters or StochasticRounding. The optimizer stays the source of truth for
 /// hyperparameters (read from its param groups at every step) and holds LibTorch's own
 /// AdamParamState / AdamWParamState, keyed by the master tensors as its step would key them;
@@ -139,8 +140,8 @@ void step(torch::optim::Optimizer& optimizer, const LeanTargets& targets, float 
 
 }  // namespace lean_step
 
-/// One Adam or AdamW step of `optimizer` (exactly torch::optim::Adam or AdamW) over `masters`
-/// (a lean storage), gradients divided by `grad_scale` (one fp32 value; undefined: by 1).
+/// One Adam or AdamW step of `optimizer` (exactly torch::optim::Adam or AdamW) over `targets`
+/// (a lean storage's), gradients divided by `grad_scale` (one fp32 value; undefined: by 1).
 /// `narrow_moments`: the moments of the lean masters are bf16 (RemainderMasters<BFloat16>, ...).
 inline void lean_adam_step(torch::optim::Optimizer& optimizer, const LeanTargets& targets,
                            const at::Tensor& grad_scale, bool narrow_moments) {
@@ -155,13 +156,6 @@ inline void lean_adam_step(torch::optim::Optimizer& optimizer, const LeanTargets
   } else {
     lean_step::step<AdamKind::adamw>(optimizer, targets, inv_scale, narrow_moments);
   }
-}
-
-/// The same over `masters`.
-inline void lean_adam_step(torch::optim::Optimizer& optimizer, MasterWeights& masters,
-                           const at::Tensor& grad_scale, bool narrow_moments) {
-  lean_adam_step(optimizer, LeanTargets([&masters](const at::Tensor& p) { return masters.lean_target(p); }),
-                 grad_scale, narrow_moments);
 }
 
 }  // namespace mixprec::detail
