@@ -135,6 +135,54 @@ std::string torch_save_file(const std::string& pickle, const std::string& data =
   return zip_of({{"archive/data.pkl", pickle}, {"archive/data/0", data}, {"archive/version", "3\n"}});
 }
 
+// A "quoted-overlap" zip bomb (David Fifield's construction, stored): storages 0 to n-1, where
+// the data of storage k is the local headers and data of storages k+1 to n-1, then `kernel`
+// bytes; each CRC-32 right, each name in its local header. The pickle maps "s<k>" to storage k
+// as uint8. The file holds the kernel once; its storages hold it n times.
+std::string quoted_overlap(int n, std::size_t kernel) {
+  const auto name = [](int k) { return "archive/data/" + std::to_string(k); };
+  std::vector<std::string> blobs(static_cast<std::size_t>(n));
+  std::string tail(kernel, '\x2a');
+  std::vector<std::string> locals(static_cast<std::size_t>(n));
+  for (int k = n - 1; k >= 0; --k) {
+    blobs[static_cast<std::size_t>(k)] = tail;
+    mp::detail::Crc32 crc;
+    crc.update(tail.data(), tail.size());
+    const auto sizes = le(crc.value(), 4) + le(tail.size(), 4) + le(tail.size(), 4);
+    locals[static_cast<std::size_t>(k)] = le(0x04034b50, 4) + le(20, 2) + le(0, 2) + le(0, 2) +
+                                          le(0, 4) + sizes + le(name(k).size(), 2) + le(0, 2) + name(k);
+    tail = locals[static_cast<std::size_t>(k)] + tail;
+  }
+  std::string pickle = "\x80\x02}(";
+  for (int k = 0; k < n; ++k) {
+    const auto numel = static_cast<std::int64_t>(blobs[static_cast<std::size_t>(k)].size());
+    pickle += str("s" + std::to_string(k)) +
+              tensor(storage("ByteStorage", std::to_string(k), numel), 0, {numel}, {1});
+  }
+  pickle += "u.";
+  // data.pkl and version first, as zip_of lays them out; then storage 0, which holds the rest.
+  const auto file = zip_of({{"archive/data.pkl", pickle}, {"archive/version", "3\n"}});
+  const auto end = file.size() - 22;  // the end record, without a comment
+  const auto directory_at = static_cast<std::size_t>(
+      mp::detail::load_le(reinterpret_cast<const unsigned char*>(file.data()) + end + 16, 4));
+  std::string out = file.substr(0, directory_at);
+  std::string directory = file.substr(directory_at, end - directory_at);
+  std::uint64_t at = out.size();
+  for (int k = 0; k < n; ++k) {
+    const auto& blob = blobs[static_cast<std::size_t>(k)];
+    mp::detail::Crc32 crc;
+    crc.update(blob.data(), blob.size());
+    directory += le(0x02014b50, 4) + le(20, 2) + le(20, 2) + le(0, 2) + le(0, 2) + le(0, 4) +
+                 le(crc.value(), 4) + le(blob.size(), 4) + le(blob.size(), 4) + le(name(k).size(), 2) +
+                 le(0, 2) + le(0, 2) + le(0, 2) + le(0, 2) + le(0, 4) + le(at, 4) + name(k);
+    at += locals[static_cast<std::size_t>(k)].size();
+  }
+  out += locals[0] + blobs[0];
+  const auto records = static_cast<std::uint64_t>(n) + 2;
+  return out + directory + le(0x06054b50, 4) + le(0, 2) + le(0, 2) + le(records, 2) + le(records, 2) +
+         le(directory.size(), 4) + le(out.size(), 4) + le(0, 2);
+}
+
 mp::StateDict parse(const std::string& bytes) {
   return mp::parse_torch_save(bytes.data(), bytes.size(), "test.pt");
 }
@@ -157,6 +205,17 @@ struct Case {
   std::string input;
   std::string message;
 };
+
+// The message of the mixprec::Error that `f` throws; empty if it throws none.
+template <class F>
+std::string error_of(F&& f) {
+  try {
+    f();
+  } catch (const mp::Error& e) {
+    return e.what();
+  }
+  return "";
+}
 
 }  // namespace
 
@@ -334,6 +393,44 @@ TEST_CASE("torch.save: hand-made pickles: a valid one, and each malformed one an
                      torch::tensor({true, false})));
   CHECK_THROWS_WITH_AS(parse(torch_save_file(bools, std::string("\x01\x02", 2))),
                        doctest::Contains("the byte 2 at 1, which is neither 0 nor 1"), mp::Error);
+}
+
+TEST_CASE("torch.save: records that overlap (a quoted-overlap zip bomb) are an Error, as CPython's zipfile refuses them") {
+  const auto bomb = quoted_overlap(100, 50000);
+  // What the storages would hold: each record's size, as the central directory gives it.
+  std::uint64_t claimed = 0;
+  for (std::size_t i = 0, at = bomb.find("PK\x01\x02"); i < 102; ++i, at = bomb.find("PK\x01\x02", at + 1)) {
+    claimed += mp::detail::load_le(reinterpret_cast<const unsigned char*>(bomb.data()) + at + 24, 4);
+  }
+  MESSAGE("a zip file of ", bomb.size(), " bytes whose records claim ", claimed, " bytes (",
+          claimed / bomb.size(), "x)");
+  CHECK(claimed > 40 * bomb.size());
+  const auto refused = error_of([&] { parse(bomb); });
+  CHECK(refused.find("'test.pt' is not a readable zip archive (torch.save writes one): record "
+                     "'archive/data/0' (bytes [") != std::string::npos);
+  CHECK(refused.find("runs into record 'archive/data/1'") != std::string::npos);
+  CHECK(refused.find("records overlap, which no zip writer makes and CPython's zipfile refuses") != std::string::npos);
+  // Two records, the first running into the second's local header; the last into the directory.
+  auto two = torch_save_file(state_dict(kGoodTensor));
+  const auto directory = two.find("PK\x01\x02");
+  const auto into_next = [&](std::string file, std::size_t entry, std::uint32_t size) {
+    auto at = file.find("PK\x01\x02");
+    for (std::size_t i = 0; i < entry; ++i) at = file.find("PK\x01\x02", at + 1);
+    file.replace(at + 20, 8, le(size, 4) + le(size, 4));
+    return file;
+  };
+  const auto pickle_size = state_dict(kGoodTensor).size();
+  const auto into_data = error_of([&] { parse(into_next(two, 0, static_cast<std::uint32_t>(pickle_size + 1))); });
+  CHECK(into_data.find("record 'archive/data.pkl' (bytes [") != std::string::npos);
+  CHECK(into_data.find("runs into record 'archive/data/0'") != std::string::npos);
+  const auto last_at = two.rfind("archive/version\x33\x0a"s);  // the last record's local name, then its data
+  REQUIRE(last_at != std::string::npos);
+  const auto into_directory = error_of([&] {
+    parse(into_next(two, 2, static_cast<std::uint32_t>(directory - (last_at + 15) + 1)));
+  });
+  CHECK(into_directory.find("record 'archive/version' (bytes [") != std::string::npos);
+  CHECK(into_directory.find("runs into the central directory") != std::string::npos);
+  REQUIRE_NOTHROW(parse(two));
 }
 
 TEST_CASE("torch.save: every dtype of _rebuild_tensor_v3 (bytes and a dtype) reads, or names the LibTorch it needs") {

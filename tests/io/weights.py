@@ -7,8 +7,8 @@ is installed, for the C++ readers to read back value for value.
         (3 i + 1) mod 11 in its dtype), views of one storage (a column, a transpose, an offset
         slice, an expanded tensor, one tensor under two names), a module's state_dict() (an
         OrderedDict with _metadata), state_dict(keep_vars=True) (Parameters), pickle protocol 4,
-        a checkpoint dict, (name, tensor) pairs, no CRCs (torch 2.x's option), zip64 records and
-        end record; and files mixprec refuses, with why: the legacy format, a pickled module, a
+        a checkpoint dict, (name, tensor) pairs, 300 records, no CRCs (torch 2.x's option), zip64
+        records and end record; and files mixprec refuses, with why: the legacy format, a pickled module, a
         TorchScript archive, a lone tensor, a re-compressed archive. safetensors files: empty
         tensors beside non-empty ones in several orders, every dtype, 0-d tensors, metadata.
         DIR/manifest.json: for each file, each tensor's dtype (torch's name), shape, stride,
@@ -126,6 +126,8 @@ def files(directory):
                            "optimizer": torch.optim.Adam(module.parameters()).state_dict()})
     manifest["checkpoint.pt"] = {"key": "model", **{k: describe(v) for k, v in state.items()}}
     save("pairs.pt", [(k, v) for k, v in state.items()], state)
+    many = {f"t{i}": tensor([i % 5, 2]) for i in range(300)}  # 300 records, 60 of them empty
+    save("many.pt", many, many)
     rezip(os.path.join(directory, "module.pt"), os.path.join(directory, "zip64_records.pt"),
           force_zip64=True)
     manifest["zip64_records.pt"] = manifest["module.pt"]
