@@ -10,8 +10,10 @@ is installed, for the C++ readers to read back value for value.
         a checkpoint dict, (name, tensor) pairs, 300 records, no CRCs (torch 2.x's option), zip64
         records and end record; and files mixprec refuses, with why: the legacy format, a pickled module, a
         TorchScript archive, a lone tensor, a re-compressed archive. safetensors files: empty
-        tensors beside non-empty ones in several orders, every dtype, 0-d tensors, metadata.
-        DIR/manifest.json: for each file, each tensor's dtype (torch's name), shape, stride,
+        tensors beside non-empty ones in several orders, every dtype, 0-d tensors, metadata, an
+        empty tensor whose other sizes are 2**62; and under "safetensors_shapes", what Python's
+        safetensors.torch.load does with headers whose sizes overflow beside a 0 ("read" or the
+        exception). DIR/manifest.json: for each file, each tensor's dtype (torch's name), shape, stride,
         storage offset and values (as float64; complex as (real, imag) pairs), or the refusal.
 
     python weights.py trained DIR
@@ -84,6 +86,27 @@ def with_zip64_end(source, target):
     tail = struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, 0xFFFF, 0xFFFF, 0xFFFFFFFF, 0xFFFFFFFF, 0)
     open(target, "wb").write(data[:end] + record + locator + tail)
     assert zipfile.ZipFile(target).testzip() is None
+
+
+def safetensors_shapes():
+    """What Python's safetensors (and torch under it) does with an F32 tensor of no bytes whose
+    sizes overflow 64 bits beside a 0: safetensors multiplies the sizes in order (a product
+    that passes 2**64 before the 0 is an error), torch computes the contiguous strides (a 0
+    counts as 1: past 2**63 - 1 is an error)."""
+    from safetensors.torch import load
+    shapes = [[2**62, 2**62, 0], [0, 2**62, 2**62], [2**62, 0, 2**62], [2**31, 2**31, 4, 0],
+              [0, 2**62, 4], [0, 2**63 - 1, 2], [2**63 - 1, 0], [0, 2**63 - 1], [3, 0, 2**61, 4],
+              [2**63 - 1, 2, 0], [2**62, 3, 0]]
+    verdicts = []
+    for shape in shapes:
+        header = json.dumps({"t": {"dtype": "F32", "shape": shape, "data_offsets": [0, 0]}}).encode()
+        try:
+            load(struct.pack("<Q", len(header)) + header)
+            verdict = "read"
+        except Exception as e:  # safetensors' SafetensorError, torch's RuntimeError
+            verdict = f"{type(e).__name__}: {str(e).splitlines()[0]}"
+        verdicts.append({"shape": shape, "python": verdict})
+    return verdicts
 
 
 class Small(torch.nn.Module):
@@ -164,6 +187,7 @@ def files(directory):
                  "d": tensor([3], torch.float16)}, {"format": "pt", "note": "empty tensors"}),
             "empties_only.safetensors": ({"x": tensor([0]), "y": tensor([0, 5]), "z": tensor([3, 0, 2])}, None),
             "scalars.safetensors": ({"s": tensor([]), "e": tensor([0]), "t": tensor([], torch.int64)}, None),
+            "huge_empty.safetensors": ({"h": torch.empty(2**62, 0, 2**62), "b": tensor([2])}, None),
             "every_dtype.safetensors": (
                 {f"{code}_{kind}": tensor(shape, dtype) for dtype, code in SAFETENSORS.items()
                  for kind, shape in (("empty", [0]), ("full", [3, 2]), ("wide_empty", [2, 0, 2]))},
@@ -172,6 +196,7 @@ def files(directory):
         for name, (tensors, metadata) in safetensors.items():
             save_file(tensors, os.path.join(directory, name), metadata=metadata)
             manifest[name] = {k: describe(v) for k, v in tensors.items()}
+        manifest["safetensors_shapes"] = safetensors_shapes()
     with open(os.path.join(directory, "manifest.json"), "w") as out:
         json.dump(manifest, out)
 

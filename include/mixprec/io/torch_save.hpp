@@ -193,22 +193,29 @@ class TorchSaveObjects final : public PickleObjects {
     const std::int64_t elements = storage.tensor.numel() / element;
     const auto start = checked_int(offset, "storage offset", source_);
     std::vector<std::int64_t> size, stride;
-    std::int64_t numel = 1, last = start;
     constexpr auto kMax = std::numeric_limits<std::int64_t>::max();
+    // The element count as LibTorch's TensorImpl counts it (torch.load too): the sizes multiplied
+    // in order in 64 unsigned bits, where an overflow counts even if a 0 comes after it
+    // ([2^62, 4, 0] is refused, [2^62, 3, 0] and [0, 2^62, 2^62] read), and the count must fit
+    // an int64. Refused here, it is an Error rather than LibTorch's c10::Error.
+    std::uint64_t count = 1;
     bool overflow = false;
     for (std::size_t i = 0; i < sizes.items.size(); ++i) {
       size.push_back(checked_int(*sizes.items[i], "size", source_));
       stride.push_back(checked_int(*strides.items[i], "stride", source_));
-      if (size.back() == 0) numel = 0;
-      if (numel == 0) continue;
-      if (size.back() > kMax / numel) {
-        overflow = true;  // not multiplied: that would overflow an int64 (UBSan's find)
+      const auto n = static_cast<std::uint64_t>(size.back());
+      if (n != 0 && count > std::numeric_limits<std::uint64_t>::max() / n) {
+        overflow = true;  // not multiplied: that would wrap (UBSan's find)
       } else {
-        numel *= size.back();
+        count *= n;
       }
     }
-    MIXPREC_CHECK(!overflow, "'", source_, "': a tensor of ", size.size(), " sizes has more "
-                  "elements than an int64 counts: a damaged file");
+    MIXPREC_CHECK(!overflow && count <= static_cast<std::uint64_t>(kMax), "'", source_, "': a "
+                  "tensor of sizes ", at::IntArrayRef(size), " has more elements than LibTorch "
+                  "counts (the sizes multiplied in order pass 64 bits, even before a 0): a damaged "
+                  "file");
+    const auto numel = static_cast<std::int64_t>(count);
+    std::int64_t last = start;
     for (std::size_t i = 0; numel > 0 && i < size.size(); ++i) {
       const auto reach = size[i] - 1;
       MIXPREC_CHECK(stride[i] == 0 || reach <= (kMax - last) / stride[i], "'", source_,
