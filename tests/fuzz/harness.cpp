@@ -639,13 +639,17 @@ void fuzz_torch_save_init() {
 
 int fuzz_torch_save(const std::uint8_t* data, std::size_t size) {
   mp::StateDict dict;
-  try {
-    dict = mp::parse_torch_save(data, size, "fuzz");
-  } catch (const mp::Error&) {
+  // The file as a state dict, else as a checkpoint of one under "model" (the key path).
+  for (const char* key : {"", "model"}) {
+    try {
+      dict = mp::parse_torch_save(data, size, "fuzz", key);
+    } catch (const mp::Error&) {
+      continue;
+    } catch (const std::exception& e) {
+      violation(std::string("parse_torch_save threw a non-mixprec exception: ") + e.what());
+    }
+    load_into_model(dict, size);
     return 0;
-  } catch (const std::exception& e) {
-    violation(std::string("parse_torch_save threw a non-mixprec exception: ") + e.what());
   }
-  load_into_model(dict, size);
   return 0;
 }

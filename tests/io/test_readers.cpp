@@ -136,6 +136,11 @@ std::string torch_save_file(const std::string& pickle, const std::string& data =
   return zip_of({{"archive/data.pkl", pickle}, {"archive/data/0", data}, {"archive/version", "3\n"}});
 }
 
+// LONG1 of the little-endian two's-complement `bytes` (as Python pickles an int beyond 32 bits).
+std::string long1(const std::string& bytes) { return "\x8a" + le(bytes.size(), 1) + bytes; }
+// LONG4 likewise, for ints of 256 bytes and more.
+std::string long4(const std::string& bytes) { return "\x8b" + le(bytes.size(), 4) + bytes; }
+
 // A "quoted-overlap" zip bomb (David Fifield's construction, stored): storages 0 to n-1, where
 // the data of storage k is the local headers and data of storages k+1 to n-1, then `kernel`
 // bytes; each CRC-32 right, each name in its local header. The pickle maps "s<k>" to storage k
@@ -351,7 +356,7 @@ TEST_CASE("torch.save: hand-made pickles: a valid one, and each malformed one an
       {"\x80\x02]q\x00]h\x00" "a0Na."s, "APPEND changes a container already inside another"},
       {"\x80\x02" + deep + ".", "containers nest deeper than 64"},
       {"\x80\x02X\xff\xff\xff\x7f", "it ends inside an opcode's argument"},
-      {"\x80\x02\x8a\x09" + std::string(9, '\x01') + ".", "an integer of 9 bytes, beyond 64 bits"},
+      {"\x80\x02\x8a\x09" + std::string(9, '\x01') + ".", "holds an int beyond 64 bits, not a state dict"},
       {"\x80\x02}(" + str("a") + "N" + str("a") + "Nu.", "a dict gets the key 'a' twice"},
       {"\x80\x02}()Nu.", "a dict key that is a tuple"},
       {"\x80\x02\x85.", "a TUPLE of more items than the stack holds"},
@@ -370,7 +375,7 @@ TEST_CASE("torch.save: hand-made pickles: a valid one, and each malformed one an
        "a tensor reaches past any storage"},
       {state_dict(tensor(storage("FloatStorage", "0", 2), 0, {std::int64_t{1} << 40, std::int64_t{1} << 40}, {0, 0})),
        "has more elements than LibTorch counts"},
-      {state_dict(tensor(storage("FloatStorage", "0", 2), 0, {-1}, {1})), "a tensor's size is not an int >= 0"},
+      {state_dict(tensor(storage("FloatStorage", "0", 2), 0, {-1}, {1})), "a tensor's size is -1, not an int in [0, 2^63)"},
       {state_dict(tensor(storage("FloatStorage", "0", 2), 0, {2, 1}, {1})), "size and stride are not tuples of one length"},
       {state_dict(tensor(storage("UntypedStorage", "0", 8), 0, {2}, {1})), "_rebuild_tensor_v2 of an untyped storage"},
       {state_dict(global("torch._utils", "_rebuild_tensor_v2") + "(" + storage("FloatStorage", "0", 2) +
@@ -394,6 +399,93 @@ TEST_CASE("torch.save: hand-made pickles: a valid one, and each malformed one an
                      torch::tensor({true, false})));
   CHECK_THROWS_WITH_AS(parse(torch_save_file(bools, std::string("\x01\x02", 2))),
                        doctest::Contains("the byte 2 at 1, which is neither 0 nor 1"), mp::Error);
+}
+
+TEST_CASE("torch.save: ints beyond 64 bits read anywhere, as torch.load(weights_only=True) reads them; a size, "
+          "stride, offset or storage length beyond an int64 is an Error that says which") {
+  // Python's file: {"seed": torch.initial_seed() after manual_seed(2**64 - 1), "model": a
+  // state_dict(), 2**64, -2**70, 2**63, 2**63 - 1, {2**65: [2**100, -2**63 - 1]}}.
+  const auto path = python_files() + "/big_ints.pt";
+  mp::StateDict model;
+  REQUIRE_NOTHROW(model = mp::read_torch_save(path, "model"));
+  CHECK(model.size() == 7);  // Linear(3, 4) and BatchNorm1d(4)
+  CHECK(torch::equal(model["fc.weight"], mp::read_torch_save(python_files() + "/module.pt")["fc.weight"]));
+  CHECK_THROWS_WITH_AS(mp::read_torch_save(path),
+                       doctest::Contains("'seed' (an int beyond 64 bits), 'model' (a dict), 'big' (an int "
+                                         "beyond 64 bits), 'negative' (an int beyond 64 bits), 'edge' (an "
+                                         "int beyond 64 bits), 'just_below' (an int), 'nested' (a dict)"),
+                       mp::Error);
+
+  // {"model": {"w": a tensor}, <key>: <value>}, read with key "model".
+  const auto checkpoint = [](const std::string& key, const std::string& value) {
+    return torch_save_file("\x80\x02}(" + str("model") + "}(" + str("w") + kGoodTensor + "u" + key + value + "u.");
+  };
+  const auto model_of = [](const std::string& file) {
+    return mp::parse_torch_save(file.data(), file.size(), "test.pt", "model");
+  };
+  const std::vector<std::string> ints{
+      long1("\xff\xff\xff\xff\xff\xff\xff\xff\x00"s),  // 2**64 - 1: torch.seed()'s largest
+      long1("\x00\x00\x00\x00\x00\x00\x00\x80\x00"s),  // 2**63
+      long1("\x00\x00\x00\x00\x00\x00\x00\x00\xc0"s),  // -2**70
+      long1("\xff\xff\xff\xff\xff\xff\xff\x7f\xff"s),  // -2**63 - 1
+      long1(""),                                            // 0
+      long1(std::string(200, '\x11')),
+      long4(std::string(299, '\0') + "\x01"),                 // 2**2392, 300 bytes
+      long4(std::string(70000, '\x5a')),
+  };
+  for (const auto& value : ints) {
+    CAPTURE(value.size());
+    mp::StateDict read;
+    REQUIRE_NOTHROW(read = model_of(checkpoint(str("seed"), value)));
+    CHECK(torch::equal(read["w"], torch::tensor({1.5F, -2.0F})));
+    CHECK_NOTHROW(model_of(checkpoint(value, "N")));  // as a key of the checkpoint
+  }
+  // Inside a list and a dict of the checkpoint: [2**95 + ..., "x", -...], {2**64: None, 2**65: None}.
+  CHECK_NOTHROW(model_of(checkpoint(str("list"), "](" + long1(std::string(12, '\x07')) + str("x") +
+                                                     long4(std::string(9, '\xee')) + "e")));
+  CHECK_NOTHROW(model_of(checkpoint(str("dict"), "}(" + long1(std::string(8, '\0') + "\x01") + "N" +
+                                                     long1(std::string(8, '\0') + "\x02") + "Nu")));
+  // Python's values as the messages print them, where a dict of tensors holds one.
+  const auto keys_of = [](const std::string& key) {
+    return parse(torch_save_file("\x80\x02}(" + str("w") + kGoodTensor + key + "Nu."));
+  };
+  CHECK_THROWS_WITH_AS(keys_of(long1("\x00\x00\x00\x00\x00\x00\x00\x00\x01"s)),
+                       doctest::Contains("18446744073709551616 (None)"), mp::Error);
+  CHECK_THROWS_WITH_AS(keys_of(long1("\x00\x00\x00\x00\x00\x00\x00\x00\xc0"s)),
+                       doctest::Contains("-1180591620717411303424 (None)"), mp::Error);
+  CHECK_THROWS_WITH_AS(keys_of(long4(std::string(299, '\0') + "\x01")),
+                       doctest::Contains("an int of 300 bytes (None)"), mp::Error);
+  // One value, one key: the bytes a writer may add in front of a sign say nothing.
+  CHECK_THROWS_WITH_AS(keys_of("K\x05" "N" + long1("\x05" + std::string(11, '\0'))),
+                       doctest::Contains("a dict gets the key 5 twice"), mp::Error);
+  CHECK_THROWS_WITH_AS(keys_of(long1(std::string(8, '\0') + "\x01") + "N" + long1(std::string(8, '\0') + "\x01\x00\x00"s)),
+                       doctest::Contains("a dict gets the key 18446744073709551616 twice"), mp::Error);
+  CHECK_THROWS_WITH_AS(keys_of("J\xff\xff\xff\xff" "N" + long1(std::string(10, '\xff'))),
+                       doctest::Contains("a dict gets the key -1 twice"), mp::Error);
+
+  // Where LibTorch needs an int64: a size, a stride, the offset, a storage's length.
+  const auto two_to_64 = long1(std::string(8, '\0') + "\x01");
+  const auto rebuild = [](const std::string& storage_pickle, const std::string& offset,
+                          const std::string& sizes, const std::string& strides) {
+    return state_dict(global("torch._utils", "_rebuild_tensor_v2") + "(" + storage_pickle + offset +
+                      sizes + strides + "\x89}tR");
+  };
+  const auto good_storage = storage("FloatStorage", "0", 2);
+  const std::vector<Case> cases{
+      {rebuild(good_storage, integer(0), "(" + two_to_64 + "t", tuple({1})),
+       "a tensor's size is 18446744073709551616, not an int in [0, 2^63)"},
+      {rebuild(good_storage, integer(0), tuple({2}), "(" + long1("\x00\x00\x00\x00\x00\x00\x00\x80\x00"s) + "t"),
+       "a tensor's stride is 9223372036854775808, not an int in [0, 2^63)"},
+      {rebuild(good_storage, long1("\x00\x00\x00\x00\x00\x00\x00\x00\xc0"s), tuple({2}), tuple({1})),
+       "a tensor's storage offset is -1180591620717411303424, not an int in [0, 2^63)"},
+      {rebuild("(" + str("storage") + global("torch", "FloatStorage") + str("0") + str("cpu") + two_to_64 + "tQ",
+               integer(0), tuple({2}), tuple({1})),
+       "storage '0' has a size of 18446744073709551616 elements, not an int in [0, 2^63)"},
+  };
+  for (const auto& c : cases) {
+    CAPTURE(c.message);
+    CHECK_THROWS_WITH_AS(parse(torch_save_file(c.input)), doctest::Contains(c.message.c_str()), mp::Error);
+  }
 }
 
 TEST_CASE("torch.save: sizes that overflow beside a 0 read where torch.load reads them, else an Error") {

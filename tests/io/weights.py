@@ -8,7 +8,9 @@ is installed, for the C++ readers to read back value for value.
         slice, an expanded tensor, one tensor under two names), a module's state_dict() (an
         OrderedDict with _metadata), state_dict(keep_vars=True) (Parameters), pickle protocol 4,
         a checkpoint dict, (name, tensor) pairs, 300 records, no CRCs (torch 2.x's option), zip64
-        records and end record; and files mixprec refuses, with why: the legacy format, a pickled module, a
+        records and end record, a checkpoint dict with ints beyond 64 bits (torch.initial_seed() after
+        manual_seed(2**64 - 1), 2**64, -2**70, 2**63: torch.load(weights_only=True) reads
+        them); and files mixprec refuses, with why: the legacy format, a pickled module, a
         TorchScript archive, a lone tensor, a re-compressed archive. safetensors files: empty
         tensors beside non-empty ones in several orders, every dtype, 0-d tensors, metadata, an
         empty tensor whose other sizes are 2**62; and under "safetensors_shapes", what Python's
@@ -151,6 +153,12 @@ def files(directory):
     save("pairs.pt", [(k, v) for k, v in state.items()], state)
     many = {f"t{i}": tensor([i % 5, 2]) for i in range(300)}  # 300 records, 60 of them empty
     save("many.pt", many, many)
+    torch.manual_seed(2**64 - 1)  # the largest seed; torch.seed() gives one >= 2**63 half the time
+    save("big_ints.pt", {"seed": torch.initial_seed(), "model": state, "big": 2**64,
+                         "negative": -2**70, "edge": 2**63, "just_below": 2**63 - 1,
+                         "nested": {2**65: [2**100, -2**63 - 1], "epoch": 3}})
+    manifest["big_ints.pt"] = {"key": "model", **{k: describe(v) for k, v in state.items()}}
+    torch.manual_seed(0)
     rezip(os.path.join(directory, "module.pt"), os.path.join(directory, "zip64_records.pt"),
           force_zip64=True)
     manifest["zip64_records.pt"] = manifest["module.pt"]

@@ -5,8 +5,10 @@
 /// without a storage class of their own, fp8 and uint16-64, as bytes with _rebuild_tensor_v3).
 /// Tensors are rebuilt as torch.load rebuilds them, views of shared storages included (tied
 /// weights stay one storage); every offset, size and stride is checked against its storage
-/// first. Any other pickled object (a whole nn.Module, argparse.Namespace, a tensor subclass) is
-/// an Error, as under torch.load(weights_only=True).
+/// first. Ints beyond 64 bits read anywhere ({"seed": torch.seed(), "model": ...}); only a
+/// size, stride, offset or storage length must fit an int64. Any other pickled object (a whole
+/// nn.Module, argparse.Namespace, a tensor subclass) is an Error, as under
+/// torch.load(weights_only=True).
 
 #include <mixprec/core/error.hpp>
 #include <mixprec/io/byte_source.hpp>
@@ -110,9 +112,12 @@ class TorchSaveObjects final : public PickleObjects {
     check(pid.kind == PickleValue::Kind::tuple && p.size() == 5 &&
               p[0]->kind == PickleValue::Kind::string && p[0]->text == "storage" &&
               p[1]->kind == PickleValue::Kind::global && p[2]->kind == PickleValue::Kind::string &&
-              p[3]->kind == PickleValue::Kind::string && p[4]->kind == PickleValue::Kind::integer &&
-              p[4]->integer >= 0,
+              p[3]->kind == PickleValue::Kind::string &&
+              (p[4]->kind == PickleValue::Kind::integer || p[4]->kind == PickleValue::Kind::big_integer),
           "a persistent id other than ('storage', type, key, location, size)");
+    MIXPREC_CHECK(p[4]->kind == PickleValue::Kind::integer && p[4]->integer >= 0, "'", source_,
+                  "': storage '", p[2]->text, "' has a size of ", p[4]->int_text(), " elements, "
+                  "not an int in [0, 2^63): a damaged file");
     const auto& type = p[1]->text;
     const bool bytes = untyped(type);
     const auto dtype = bytes ? at::ScalarType::Undefined
@@ -172,8 +177,10 @@ class TorchSaveObjects final : public PickleObjects {
   }
 
   static std::int64_t checked_int(const PickleValue& v, const char* what, const std::string& source) {
+    const bool is_int = v.kind == PickleValue::Kind::integer || v.kind == PickleValue::Kind::big_integer;
     MIXPREC_CHECK(v.kind == PickleValue::Kind::integer && v.integer >= 0, "'", source, "': a "
-                  "tensor's ", what, " is not an int >= 0: a damaged file");
+                  "tensor's ", what, " is ", is_int ? v.int_text() : std::string(v.describe()),
+                  ", not an int in [0, 2^63): a damaged file");
     return v.integer;
   }
 
@@ -269,8 +276,7 @@ inline StateDict tensors_of(const PickleValue& dict, const std::string& source, 
   StateDict result;
   std::vector<std::string> others, dicts;
   for (const auto& [k, v] : dict.entries) {
-    const auto name = k->kind == PickleValue::Kind::string ? "'" + k->text + "'"
-                                                           : std::to_string(k->integer);
+    const auto name = k->kind == PickleValue::Kind::string ? "'" + k->text + "'" : k->int_text();
     if (k->kind == PickleValue::Kind::string && v->kind == PickleValue::Kind::tensor) {
       result.insert(k->text, v->tensor);
       continue;
