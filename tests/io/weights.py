@@ -24,8 +24,12 @@ is installed, for the C++ readers to read back value for value.
         safetensors' save_model of it (trained.safetensors: one name of the tied pair), its
         eval-mode outputs on a batch (outputs.pt: {"ids", "logits"}), and what PyTorch's
         load_state_dict(strict=False) reports for a state dict with a key dropped and one added
-        (DIR/manifest.json). One thread, so that C++ computes the same bits.
+        (DIR/manifest.json); and state dicts without norm.num_batches_tracked (a plain dict, an
+        OrderedDict whose _metadata says BatchNorm version 2 or 1, safetensors), with what
+        PyTorch's load_state_dict does with each (manifest "batchnorm"). One thread, so that C++
+        computes the same bits.
 """
+import collections
 import json
 import os
 import struct
@@ -35,9 +39,9 @@ import zipfile
 import torch
 
 try:
-    from safetensors.torch import save_file, save_model
+    from safetensors.torch import load_model, save_file, save_model
 except ImportError:  # Debian's python3 (torch 1.13) has no safetensors
-    save_file = save_model = None
+    load_model = save_file = save_model = None
 
 SAFETENSORS = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16",
                torch.bfloat16: "BF16", torch.int64: "I64", torch.int32: "I32", torch.int16: "I16",
@@ -229,6 +233,52 @@ class Tied(torch.nn.Module):
         return self.head(self.proj(x))
 
 
+def without_num_batches_tracked(state, directory):
+    """State dicts without norm.num_batches_tracked, and what load_state_dict does with each
+    into a Tied() whose counter is 5: with no version for the BatchNorm (no _metadata: a plain
+    dict, safetensors) or version 1, _NormBase._load_from_state_dict puts the key in (torch >= 2.2
+    the module's own counter, older torch a 0) and all keys match; with version 2 (what
+    state_dict() records) the key is missing."""
+    key = "norm.num_batches_tracked"
+    versioned = collections.OrderedDict((k, v) for k, v in state.items() if k != key)
+    versioned._metadata = state._metadata  # as state_dict() records it: BatchNorm's version 2
+    assert versioned._metadata["norm"]["version"] == 2
+    version1 = collections.OrderedDict(versioned)
+    version1._metadata = collections.OrderedDict(state._metadata)
+    version1._metadata["norm"] = {"version": 1}
+    dicts = {"no_nbt_plain.pt": {k: v for k, v in versioned.items()},
+             "no_nbt_v2.pt": versioned, "no_nbt_v1.pt": version1}
+    for name, d in dicts.items():
+        torch.save(d, os.path.join(directory, name))
+    if save_file is not None:  # one name of the tied pair, as save_model keeps
+        plain = {k: v.clone() for k, v in versioned.items() if k != "head.weight"}
+        save_file(plain, os.path.join(directory, "no_nbt.safetensors"))
+        dicts["no_nbt.safetensors"] = plain
+    def load(model, name, strict):
+        if name.endswith(".safetensors"):  # load_model: the tied name it left out is no miss
+            return load_model(model, os.path.join(directory, name), strict=strict)
+        report = model.load_state_dict(dicts[name], strict=strict)
+        return report.missing_keys, report.unexpected_keys
+
+    verdicts = {}
+    for name in dicts:
+        model = Tied()
+        model.norm.num_batches_tracked.fill_(5)
+        try:
+            load(model, name, True)
+            strict = "loaded"
+        except RuntimeError as e:
+            strict = str(e).splitlines()[-1].strip()
+        model = Tied()
+        model.norm.num_batches_tracked.fill_(5)
+        missing, unexpected = load(model, name, False)
+        verdicts[name] = {"strict": strict, "missing_keys": sorted(missing),
+                          "unexpected_keys": sorted(unexpected),
+                          "num_batches_tracked": model.norm.num_batches_tracked.item(),
+                          "torch": torch.__version__}
+    return verdicts
+
+
 def trained(directory):
     torch.manual_seed(7)
     model = Tied()
@@ -257,7 +307,8 @@ def trained(directory):
     manifest = {"state_dict_keys": list(state.keys()),
                 "missing_keys": list(report.missing_keys),
                 "unexpected_keys": list(report.unexpected_keys),
-                "loss": loss.item()}
+                "loss": loss.item(),
+                "batchnorm": without_num_batches_tracked(state, directory)}
     with open(os.path.join(directory, "manifest.json"), "w") as out:
         json.dump(manifest, out)
 

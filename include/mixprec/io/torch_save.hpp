@@ -102,7 +102,7 @@ class TorchSaveObjects final : public PickleObjects {
   }
 
   void build(const PickleValue& object, const PickleValue& state) override {
-    // An OrderedDict's attributes: state_dict()'s _metadata (module versions), not needed here.
+    // An OrderedDict's attributes: state_dict()'s _metadata (module versions, versions_of).
     check(object.kind == PickleValue::Kind::dict && state.kind == PickleValue::Kind::dict,
           std::string("BUILD of ") + object.describe() + " with " + state.describe());
   }
@@ -298,11 +298,37 @@ inline StateDict tensors_of(const PickleValue& dict, const std::string& source, 
   return result;
 }
 
+// The version each module saved its tensors at, from a state_dict()'s _metadata ({module path:
+// {"version": n, ...}}, what Python's _load_from_state_dict reads): none for a plain dict, and
+// none for a module it does not name or an entry without an int "version" (Python's None).
+inline ModuleVersions versions_of(const PickleValue& dict) {
+  ModuleVersions versions;
+  const auto is = [](const PickleRef& v, PickleValue::Kind kind) { return v->kind == kind; };
+  if (!dict.state) return versions;
+  for (const auto& [attribute, metadata] : dict.state->entries) {
+    if (!is(attribute, PickleValue::Kind::string) || attribute->text != "_metadata" ||
+        !is(metadata, PickleValue::Kind::dict)) {
+      continue;
+    }
+    for (const auto& [path, local] : metadata->entries) {
+      if (!is(path, PickleValue::Kind::string) || !is(local, PickleValue::Kind::dict)) continue;
+      for (const auto& [name, value] : local->entries) {
+        if (is(name, PickleValue::Kind::string) && name->text == "version" &&
+            is(value, PickleValue::Kind::integer)) {
+          versions[path->text] = value->integer;
+        }
+      }
+    }
+  }
+  return versions;
+}
+
 /// The state dict a torch.save file holds: the saved dict of tensors itself (state_dict()'s
 /// OrderedDict, or a dict), the one under `key` of a saved dict ({"model": ..., "epoch": ...}),
-/// or a list or tuple of (name, tensor) pairs (Trainer::save_fp32's WeightsFormat::pickle).
-inline StateDict state_dict_of(const PickleValue& root, const std::string& source,
-                               const std::string& key) {
+/// or a list or tuple of (name, tensor) pairs (Trainer::save_fp32's WeightsFormat::pickle);
+/// with its modules' versions where it is a state_dict() (the pairs have none).
+inline WeightsFile state_dict_of(const PickleValue& root, const std::string& source,
+                                 const std::string& key) {
   const PickleValue* value = &root;
   if (!key.empty()) {
     MIXPREC_CHECK(root.kind == PickleValue::Kind::dict, "'", source, "' holds ", root.describe(),
@@ -315,7 +341,7 @@ inline StateDict state_dict_of(const PickleValue& root, const std::string& sourc
     }
     MIXPREC_CHECK(value != nullptr, "'", source, "' has no entry '", key, "'; its keys: ", keys);
   }
-  if (value->kind == PickleValue::Kind::dict) return tensors_of(*value, source, key);
+  if (value->kind == PickleValue::Kind::dict) return {tensors_of(*value, source, key), versions_of(*value)};
   if (value->kind == PickleValue::Kind::list || value->kind == PickleValue::Kind::tuple) {
     StateDict result;
     for (const auto& pair : value->items) {
@@ -329,7 +355,7 @@ inline StateDict state_dict_of(const PickleValue& root, const std::string& sourc
       MIXPREC_CHECK(!result.contains(name), "'", source, "' names tensor '", name, "' twice");
       result.insert(name, pair->items[1]->tensor);
     }
-    return result;
+    return {std::move(result), {}};
   }
   fail("'", source, "'", key.empty() ? "" : " under key '" + key + "'", " holds ",
        value->describe(), ", not a state dict (a dict of tensors by name)");
@@ -362,7 +388,7 @@ inline void refuse_known_foreign(const ByteSource& source) {
   }
 }
 
-inline StateDict read_torch_save(const ByteSource& source, const std::string& key) {
+inline WeightsFile read_torch_save(const ByteSource& source, const std::string& key) {
   // First: a Trainer checkpoint is a zip archive too (LibTorch's), with mixprec's trailer.
   refuse_known_foreign(source);
   if (!looks_like_zip(source)) {
@@ -377,14 +403,14 @@ inline StateDict read_torch_save(const ByteSource& source, const std::string& ke
 /// The state dict of a torch.save file held in memory (see read_torch_save); `source` names it.
 inline StateDict parse_torch_save(const void* bytes, std::size_t size, const std::string& source,
                                   const std::string& key = "") {
-  return detail::read_torch_save(detail::MemorySource(bytes, size, source), key);
+  return detail::read_torch_save(detail::MemorySource(bytes, size, source), key).tensors;
 }
 
 /// The state dict of Python's `torch.save(model.state_dict(), path)` (torch 1.6 to 2.x), tensors
 /// in the file's order and dtypes, as torch.load gives them (on the CPU). `key`: the entry of a
 /// saved dict that holds it, for `torch.save({"model": model.state_dict(), "epoch": 3}, path)`.
 inline StateDict read_torch_save(const std::string& path, const std::string& key = "") {
-  return detail::read_torch_save(detail::FileSource(path), key);
+  return detail::read_torch_save(detail::FileSource(path), key).tensors;
 }
 
 }  // namespace mixprec

@@ -50,6 +50,7 @@ struct PickleValue {
   std::vector<PickleRef> items;                      // a tuple's or a list's
   std::vector<std::pair<PickleRef, PickleRef>> entries;  // a dict's, in order
   std::unique_ptr<std::set<std::string>> keys;       // a dict's (kind-tagged), to refuse repeats
+  PickleRef state;  // what BUILD gave a dict: an OrderedDict's attributes (state_dict()'s _metadata)
   at::Tensor tensor;  // a tensor; a storage's bytes (kByte)
   at::ScalarType dtype = at::ScalarType::Undefined;  // a typed storage's dtype
 
@@ -109,7 +110,8 @@ struct PickleValue {
 };
 
 /// What the globals, REDUCE, BUILD and persistent ids of a pickle mean; each throws
-/// mixprec::Error for what it does not accept.
+/// mixprec::Error for what it does not accept. A BUILD that build() accepts keeps its state in
+/// the object's `state`.
 class PickleObjects {
  public:
   virtual ~PickleObjects() = default;
@@ -402,9 +404,14 @@ class Unpickler {
           stack_.push_back(objects_.reduce(*callable, *args));
           break;
         }
-        case 'b': {  // BUILD
+        case 'b': {  // BUILD: kept as the object's state, which freezes it as a container does
           const auto state = pop();
-          objects_.build(*top(), *state);
+          auto& object = *top();
+          if (object.nested) malformed("BUILD changes a value already inside another");
+          if (object.state) malformed("a second BUILD of one value");
+          objects_.build(object, *state);
+          adopt(object, state);
+          object.state = state;
           break;
         }
         case 'Q': {  // BINPERSID
