@@ -8,9 +8,11 @@
 ///   trainer.load_weights("finetuned.pt");                  // later: masters and model together
 ///
 /// strict (the default) as PyTorch's strict=True: every parameter and buffer of the model has a
-/// key, and every key names one. A shape that differs, a value that changes kind (a float into
-/// an integer buffer) or does not fit the model's dtype (70000 into fp16), or two keys of one
-/// tied tensor with different values are Errors even with strict(false). One Error lists every
+/// key, and every key names one; a norm layer's num_batches_tracked may be absent where Python's
+/// BatchNorm fills it in (python_fills_num_batches_tracked). A shape that differs, a value that
+/// changes kind (a float into an integer buffer) or does not fit the model's dtype (70000 into
+/// fp16), or two keys of one tied tensor with different values are Errors even with
+/// strict(false). One Error lists every
 /// problem, and nothing is loaded unless all fit. Values are converted to each model tensor's
 /// dtype (PyTorch's copy_); a tied tensor (registered under two names) takes either key.
 
@@ -31,6 +33,7 @@
 #include <map>
 #include <sstream>
 #include <string>
+#include <string_view>
 #include <unordered_map>
 #include <vector>
 
@@ -114,6 +117,32 @@ inline DtypeKind kind_of(at::ScalarType t) {
   return DtypeKind::integral;
 }
 
+// Whether Python's load_state_dict takes `name`, a buffer of `module` that the state dict has no
+// key for, as present: _NormBase._load_from_state_dict (BatchNorm, InstanceNorm with running
+// statistics) puts its num_batches_tracked in when the state dict gives the module no version
+// or one below 2 (the version that added it): a plain dict or safetensors has none. torch >= 2.2
+// puts the module's own counter (pytorch#110850), so the buffer keeps its value; torch <= 2.1
+// put a 0. A module here is a norm layer by its buffers: running_mean, running_var and
+// num_batches_tracked, as LibTorch's BatchNorm and InstanceNorm, mixprec's wrappers of them and
+// a port of a Python _NormBase register them.
+inline bool python_fills_num_batches_tracked(const torch::nn::Module& module, const std::string& name,
+                                             const ModuleVersions& versions) {
+  static constexpr std::string_view kLeaf = "num_batches_tracked";
+  if (name.size() < kLeaf.size() || name.compare(name.size() - kLeaf.size(), kLeaf.size(), kLeaf) != 0) {
+    return false;
+  }
+  const auto prefix = name.substr(0, name.size() - kLeaf.size());  // "norm." or ""
+  if (!prefix.empty() && prefix.back() != '.') return false;
+  const auto buffers = module.named_buffers();
+  for (const auto* leaf : {"running_mean", "running_var", "num_batches_tracked"}) {
+    const auto* found = buffers.find(prefix + leaf);
+    if (found == nullptr || !found->defined()) return false;
+  }
+  const auto path = prefix.empty() ? prefix : prefix.substr(0, prefix.size() - 1);
+  const auto version = versions.find(path);
+  return version == versions.end() || version->second < 2;
+}
+
 inline bool same_bits(const at::Tensor& a, const at::Tensor& b) {
   if (a.scalar_type() != b.scalar_type() || a.sizes() != b.sizes()) return false;
   const auto x = a.detach().cpu().contiguous(), y = b.detach().cpu().contiguous();
@@ -163,13 +192,15 @@ inline at::Tensor converted(const at::Tensor& source, at::ScalarType dtype, cons
   return value;
 }
 
-// Matches the state dict to the model's tensors: names, shapes, kinds of dtype and tied tensors.
-// The values are not converted yet (converted()), nothing is changed.
+// Matches the state dict to the model's tensors: names, shapes, kinds of dtype and tied tensors;
+// `versions`: its modules' (a torch.save'd state_dict()'s _metadata). The values are not
+// converted yet (converted()), nothing is changed.
 inline LoadPlan plan_load(const torch::nn::Module& model, const StateDict& weights,
-                          const LoadOptions& options) {
+                          const LoadOptions& options, const ModuleVersions& versions = {}) {
   LoadPlan plan;
   plan.into = options.submodule().empty() ? "the model" : "submodule '" + options.submodule() + "'";
-  const auto targets = load_targets(submodule_of(model, options.submodule()));
+  const auto& into = submodule_of(model, options.submodule());
+  const auto targets = load_targets(into);
   std::unordered_map<std::string, std::size_t> target_of;
   for (std::size_t i = 0; i < targets.size(); ++i) {
     for (const auto& name : targets[i].names) target_of.emplace(name, i);
@@ -183,7 +214,10 @@ inline LoadPlan plan_load(const torch::nn::Module& model, const StateDict& weigh
       if (weights.contains(name)) present.push_back(name);
     }
     if (present.empty()) {
-      for (const auto& name : target.names) plan.report.missing_keys.push_back(name);
+      // Python puts these in before matching: present, and loaded into themselves (unchanged).
+      for (const auto& name : target.names) {
+        if (!python_fills_num_batches_tracked(into, name, versions)) plan.report.missing_keys.push_back(name);
+      }
       continue;
     }
     const auto& name = present.front();
@@ -271,7 +305,7 @@ inline void check_unclaimed(const torch::nn::Module& model, const LoadOptions& o
                 "overwritten at the next step); nothing was loaded");
 }
 
-inline StateDict read_state_dict(const ByteSource& source, const std::string& key) {
+inline WeightsFile read_weights(const ByteSource& source, const std::string& key) {
   if (looks_like_zip(source)) return read_torch_save(source, key);  // refuses checkpoints too
   refuse_known_foreign(source);
   unsigned char start[9] = {};
@@ -281,7 +315,12 @@ inline StateDict read_state_dict(const ByteSource& source, const std::string& ke
                 "safetensors file (a header length, then '{')");
   MIXPREC_CHECK(key.empty(), "LoadOptions::key ('", key, "') picks an entry of a torch.save'd "
                 "dict; '", source.name(), "' is a safetensors file, which holds one state dict");
-  return read_safetensors(source);
+  return {read_safetensors(source), {}};
+}
+
+/// The tensors of the file at `path` and its modules' versions (read_state_dict).
+inline WeightsFile read_weights(const std::string& path, const std::string& key) {
+  return read_weights(FileSource(path), key);
 }
 
 }  // namespace detail
@@ -289,7 +328,7 @@ inline StateDict read_state_dict(const ByteSource& source, const std::string& ke
 /// The state dict in the file at `path`, by its contents: torch.save's zip archive
 /// (read_torch_save, with `key`) or safetensors (read_safetensors).
 inline StateDict read_state_dict(const std::string& path, const std::string& key = "") {
-  return detail::read_state_dict(detail::FileSource(path), key);
+  return detail::read_weights(detail::FileSource(path), key).tensors;
 }
 
 /// Copies `weights` into `model`'s parameters and buffers of the same names (PyTorch's
@@ -305,12 +344,14 @@ inline LoadReport load_state_dict(torch::nn::Module& model, const StateDict& wei
   return std::move(plan.report);
 }
 
-/// load_state_dict of the file at `path`: torch.save's or safetensors (read_state_dict).
+/// load_state_dict of the file at `path`: torch.save's or safetensors (read_state_dict), with
+/// the modules' versions a torch.save'd state_dict() records, as Python's load_state_dict reads
+/// them (a BatchNorm of version 2 must have its num_batches_tracked).
 inline LoadReport load_weights(torch::nn::Module& model, const std::string& path,
                                const LoadOptions& options = {}) {
   detail::check_unclaimed(model, options);
-  const auto weights = read_state_dict(path, options.key());
-  auto plan = detail::plan_load(model, weights, options);
+  const auto file = detail::read_weights(path, options.key());
+  auto plan = detail::plan_load(model, file.tensors, options, file.versions);
   detail::convert_all(plan, options, "'" + path + "'");
   detail::copy_values(plan.assignments);
   return std::move(plan.report);

@@ -66,6 +66,34 @@ inline void check_unique_keys(const Json& object, const std::string& source, con
   }
 }
 
+// A shape with a 0 needs no byte, but its other sizes still have to be counted: Python refuses
+// the shapes whose count overflows before the 0 comes (safetensors multiplies the sizes in
+// order, in 64 bits: [2^62, 2^62, 0]) or whose contiguous strides overflow (torch computes
+// stride i as the product of the later sizes, a 0 counted as 1, in an int64: [0, 2^62, 2^62]),
+// and LibTorch's at::empty throws c10::Error on either. ([2^62, 0, 2^62] reads, as in Python.)
+inline void check_empty_shape(const std::vector<std::int64_t>& shape, const std::string& name,
+                              const std::string& source) {
+  constexpr auto kMax = static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max());
+  std::uint64_t count = 1;
+  for (const auto n : shape) {
+    const auto size = static_cast<std::uint64_t>(n);
+    MIXPREC_CHECK(size == 0 || count <= std::numeric_limits<std::uint64_t>::max() / size,
+                  "safetensors: tensor '", name, "' of '", source, "' has shape ",
+                  at::IntArrayRef(shape), ", whose sizes multiply past 64 bits before its 0 (the "
+                  "format's own reader refuses it too): a damaged file");
+    count *= size;
+  }
+  std::uint64_t stride = 1;
+  for (std::size_t i = shape.size(); i-- > 1;) {
+    const auto size = std::max<std::uint64_t>(static_cast<std::uint64_t>(shape[i]), 1);
+    MIXPREC_CHECK(stride <= kMax / size, "safetensors: tensor '", name, "' of '", source,
+                  "' has shape ", at::IntArrayRef(shape), ", whose strides (the products of the "
+                  "later sizes) pass an int64: LibTorch cannot lay it out, even empty (nor can "
+                  "Python's torch): a damaged file");
+    stride *= size;
+  }
+}
+
 struct SafetensorsEntry {
   std::string name;
   at::ScalarType dtype;
@@ -100,7 +128,10 @@ inline SafetensorsEntry safetensors_entry(const std::string& name, const Json& v
         "a LibTorch size holds")));
   }
   std::uint64_t elements = 1;
-  if (std::find(entry.shape.begin(), entry.shape.end(), 0) != entry.shape.end()) elements = 0;
+  if (std::find(entry.shape.begin(), entry.shape.end(), 0) != entry.shape.end()) {
+    check_empty_shape(entry.shape, name, source);
+    elements = 0;
+  }
   for (const auto n : entry.shape) {
     if (elements == 0) break;
     const auto count = static_cast<std::uint64_t>(n);
