@@ -2800,6 +2800,17 @@ TEST_CASE("distributed, sharded build: a held model's bad uses are Errors that s
     CHECK(units_held(net));
     CHECK(identical(unsharded_values(net), expected));
   }
+  SUBCASE("LibTorch's module->to(dtype) casts the placeholders: an Error at the next gather, never NaN weights") {
+    auto net = built_in_shards(group, 5);
+    net->to(at::kBFloat16);
+    CHECK_THROWS_WITH_AS(mp::unshard(*net), doctest::Contains("use mixprec::cast_floating"), mp::Error);
+    torch::optim::AdamW optimizer(net->parameters(), torch::optim::AdamWOptions(0.1));
+    CHECK_THROWS_WITH_AS(mp::Trainer<mp::PureHalf<at::BFloat16>>(
+                             net, optimizer,
+                             mp::TrainerOptions().distributed(mp::DistributedOptions(group).shard_parameters(kBuildUnits))),
+                         doctest::Contains("parameter 'blocks.0.fc.weight' of shape [40, 24] is held in shards across ranks, but its data was replaced"),
+                         mp::Error);
+  }
   SUBCASE("cast_floating, and a build in bf16, round the pieces as the whole model's") {
     auto net = built_in_shards(group, 5);
     mp::cast_floating(*net, at::kBFloat16);

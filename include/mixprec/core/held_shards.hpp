@@ -23,6 +23,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <string>
 #include <tuple>
 #include <unordered_map>
 #include <utility>
@@ -273,6 +274,17 @@ inline void reshard_param(const at::Tensor& p, HeldShard& shard, bool recut) {
   if (recut) assign_held(shard, p);
   p.set_data(HeldShards::placeholder(p.sizes(), p.scalar_type(), p.device()));
   shard.whole = false;
+}
+
+/// An Error unless `p`, held as `shard` says, still has its placeholder (or is gathered whole):
+/// LibTorch's module->to(dtype) or to(device) replaces a placeholder by its NaN values in full,
+/// which would train as NaN. `name` names the parameter.
+inline void check_intact(const at::Tensor& p, const HeldShard& shard, const std::string& name) {
+  MIXPREC_CHECK(shard.whole || HeldShards::is_placeholder(p), "parameter ", name, " of shape ",
+                p.sizes(), " is held in shards across ranks, but its data was replaced (LibTorch's "
+                "module->to(dtype) or to(device) casts its NaN placeholder, not its value): to cast "
+                "a model held in shards use mixprec::cast_floating, which casts the pieces; the "
+                "parameter now holds NaN, build the model again");
 }
 
 /// An Error naming the first of `params` (named) that is held in shards: `what` cannot take

@@ -83,7 +83,9 @@ inline void take_held(const Collectives& comm, torch::nn::Module& model, const U
   std::vector<std::shared_ptr<HeldShard>> shards;
   for (std::size_t k = 0; k < named.size(); ++k) {
     const auto& p = named[k].second;
-    auto shard = HeldShards::is_placeholder(p) ? HeldShards::find(p) : nullptr;
+    auto shard = HeldShards::find(p);
+    if (shard) check_intact(p, *shard, "'" + named[k].first + "'");
+    if (shard && shard->whole) shard = nullptr;  // gathered (unshard()): an ordinary parameter
     if (shard) {
       auto* f = row + k * kFields;
       std::int64_t bits = 0;

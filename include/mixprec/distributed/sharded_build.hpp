@@ -70,6 +70,7 @@ class HeldUnitHooks final : public UnitHooks {
     for (const auto& p : params_) {
       auto shard = HeldShards::find(p);
       if (!shard || shard->whole) continue;
+      check_intact(p, *shard, "of a unit");
       // Every rank runs the same forward in the same grad mode: each throws alike, before any
       // gathers.
       MIXPREC_CHECK(!at::GradMode::is_enabled() || !p.requires_grad(), "a unit whose weights "
@@ -176,9 +177,14 @@ inline bool holds_shards(const torch::nn::Module& module) {
 /// piece, until reshard(module): to read or export it (a unit at a time keeps the memory of a
 /// unit), or to load into it. Collective: every rank calls it on the same module.
 inline void unshard(torch::nn::Module& module) {
-  for (const auto& p : detail::unique_tensors(module.parameters())) {
-    if (auto shard = detail::HeldShards::find(p)) detail::unshard_param(p, *shard);
+  std::vector<std::pair<at::Tensor, std::shared_ptr<detail::HeldShard>>> held;
+  for (const auto& item : detail::unique_named(module.named_parameters())) {
+    if (auto shard = detail::HeldShards::find(item.second)) {
+      detail::check_intact(item.second, *shard, "'" + item.first + "'");
+      held.emplace_back(item.second, std::move(shard));
+    }
   }
+  for (auto& [p, shard] : held) detail::unshard_param(p, *shard);
 }
 
 /// The parameters unshard() gathered held in shards again, each piece cut anew from the
