@@ -133,6 +133,7 @@ class CheckpointedImpl
       register_buffer(item.key(), item.value());
     }
     for (auto& item : inner_->named_children()) register_module(item.key(), item.value());
+    mixprec::detail::unit_built(*this, *this);  // a mixprec::ShardedBuild takes it from here
   }
 
   /// f(module, args...) (module: M's Impl&), checkpointed while checkpointing() is on: none
