@@ -117,13 +117,15 @@ struct Config {
 template <class P>
 void reshard(Rank& r, int stage, const fs::path& from, const fs::path& to) {
   Setup<P> s(&r, stage, 500 + static_cast<std::uint64_t>(r.rank));  // rank 0's values reach all
+  mp::UserValues user{{"epoch", c10::IValue(std::int64_t{7})}};
   if (from.empty()) {
     for (int k = 0; k < kSaveSteps; ++k) s.step(k, r.rank, r.world);
   } else {
-    s.trainer.load(from.string());
+    user = s.trainer.load(from.string());
   }
   RANK_EXPECT(s.trainer.stats().steps == kSaveSteps, "at step " << s.trainer.stats().steps);
-  s.trainer.save(to.string());
+  RANK_EXPECT(user.count("epoch") == 1 && user.at("epoch").toInt() == 7, "the user's values");
+  s.trainer.save(to.string(), user);
   RANK_EXPECT(fs::is_directory(to), "a sharded save writes a directory");
   if (from.empty()) {  // the reference, by another road: the consolidated archive (every rank
                        // gathers, rank 0 writes), read back by the single-file reader
@@ -404,6 +406,7 @@ void case_export(Rank& r) {
   for (int k = 0; k < 2; ++k) s.step(k, r.rank, r.world);
   s.trainer.save_fp32((root / "model.safetensors").string(), mp::WeightsFormat::safetensors);
   s.trainer.save_fp32((root / "reference.pkl").string(), mp::WeightsFormat::pickle);
+  s.trainer.save((root / "ckpt").string());  // its masters, read in Python from the index
 }
 
 // ---- tests/netns_test.sh: saved with rank 0 on one "host", resumed with rank 0 on the other
@@ -537,7 +540,7 @@ TEST_CASE("sharded checkpoint: a missing, damaged or foreign shard, an index no 
                                fresh_dir("ckpt_bad_inputs") / "ranks"));
 }
 
-TEST_CASE("sharded checkpoint: the fp32 export streamed from 3 ZeRO-3 ranks loads in Python with load_state_dict(strict=True), equal to the gathered export") {
+TEST_CASE("sharded checkpoint: the fp32 export streamed from 3 ZeRO-3 ranks loads in Python with load_state_dict(strict=True), equal to the gathered export; Python reassembles the masters from the index") {
   namespace fs = std::filesystem;
   const auto dir = fresh_dir("ckpt_export");
   require_all_passed(run_ranks("ckpt_export", 3, std::chrono::seconds(240), dir / "ranks"));
@@ -545,7 +548,8 @@ TEST_CASE("sharded checkpoint: the fp32 export streamed from 3 ZeRO-3 ranks load
   const auto streamed = mp::read_safetensors((dir / "model.safetensors").string());
   const auto script = fs::path(MIXPREC_PARITY_SCRIPT).parent_path() / "distributed" / "sharded_export.py";
   const auto command = std::string(MIXPREC_SYSTEM_PYTHON) + " " + script.string() + " " +
-                       (dir / "model.safetensors").string() + " " + (dir / "reference.pkl").string();
+                       (dir / "model.safetensors").string() + " " + (dir / "reference.pkl").string() +
+                       " " + (dir / "ckpt").string();
   CHECK(streamed.size() == 10);
   REQUIRE(std::system(command.c_str()) == 0);
 }

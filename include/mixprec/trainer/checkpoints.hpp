@@ -275,7 +275,7 @@ class TrainerCheckpoints {
     t.adopt_optimizer_changes();
     return voted_load(t.data_parallel_.get(), dir, [&](auto& commit) {
       return checked_or_error(dir, [&] {
-        ShardedReader reader(dir, parts(std::nullopt), t.tensors_.masters());
+        ShardedReader reader(dir, parts(std::nullopt), t.tensors_.masters(), narrow_moments_of<P>);
         auto small = read_small(reader.state(), dir, reader.scaler_state(), /*recipe_recorded=*/true);
         auto user = read_user_values(reader.state(), dir);
         commit();  // every rank has read and checked all of it

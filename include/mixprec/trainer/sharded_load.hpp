@@ -43,12 +43,16 @@ namespace mixprec::detail {
 class ShardedReader {
  public:
   /// Reads and checks the checkpoint in `dir` against the Trainer's `parts` (`masters`: an
-  /// unsharded Trainer's); changes nothing. Every failure is an Error that names the file.
-  ShardedReader(const std::string& dir, const CheckpointParts& parts, MasterWeights* masters)
+  /// unsharded Trainer's; `bf16_moments`: its storage keeps the moments in bf16, and bf16 ones
+  /// are read as they are, never whole in fp32); changes nothing. Every failure is an Error
+  /// that names the file.
+  ShardedReader(const std::string& dir, const CheckpointParts& parts, MasterWeights* masters,
+                bool bf16_moments)
       : files_(dir, parts.data_parallel ? parts.data_parallel->rank() : 0,
                parts.data_parallel ? parts.data_parallel->world_size() : 1),
         dir_(dir), index_(files_.index()), parts_(parts), masters_(masters),
-        group_(parts.data_parallel), names_(TensorNames::of(parts.model)) {
+        group_(parts.data_parallel), names_(TensorNames::of(parts.model)),
+        bf16_moments_(bf16_moments) {
     check_policy_settings(index_.policy, index_.policy_settings, parts.policy, dir_);
     const auto own_type = optimizer_type(parts.optimizer);
     MIXPREC_CHECK(index_.optimizer == own_type, "checkpoint '", dir_, "' was written with a ",
@@ -169,13 +173,14 @@ class ShardedReader {
                       "of '", name, "'; restore the directory from a copy; nothing was loaded");
         continue;
       }
-      require(key, shape, std::nullopt);
+      const auto saved = require(key, shape, std::nullopt).dtype;
+      const auto dtype = bf16_moments_ && saved == at::kBFloat16 ? saved : like.scalar_type();
       auto& optimizer = parts_.optimizer;
       const auto n = like.numel();
-      reads_.push_back({key, from, [&optimizer, like, k, kind = *kind_, n] {
+      reads_.push_back({key, from, [&optimizer, like, k, kind = *kind_, n, dtype] {
                           auto* state = state_of(optimizer, like);
                           auto& slot = *state_fields(*state, kind)[k];
-                          slot = at::empty(like.sizes(), like.options());
+                          slot = at::empty(like.sizes(), like.options().dtype(dtype));
                           return slot.view({n});
                         }, {}});
     }
@@ -316,6 +321,7 @@ class ShardedReader {
   MasterWeights* masters_;
   StepGroup* group_;
   TensorNames names_;
+  bool bf16_moments_;
   std::optional<ShardedKind> kind_;
   std::vector<std::unique_ptr<torch::optim::OptimizerOptions>> options_;
   std::vector<Read> reads_;
