@@ -148,15 +148,14 @@ inline void check_tiling(std::vector<SafetensorsEntry> entries, std::uint64_t da
                 " bytes after its last tensor");
 }
 
-/// A safetensors header, parsed and checked against the size of its file: the tensors' entries
-/// in the header's order, the __metadata__ strings, and where the data starts.
-struct SafetensorsHeader {
-  std::vector<SafetensorsEntry> entries;
-  std::vector<std::pair<std::string, std::string>> metadata;
+/// A safetensors file's tensors, checked, without their data (read_safetensors_entry reads
+/// one): a model held in shards loads tensor by tensor.
+struct SafetensorsIndex {
+  std::vector<SafetensorsEntry> entries;  // in the header's order
   std::uint64_t data_start = 0;
 };
 
-inline SafetensorsHeader read_safetensors_header(const ByteSource& source) {
+inline SafetensorsIndex index_safetensors(const ByteSource& source) {
   const auto& name = source.name();
   MIXPREC_CHECK(source.size() >= 8, "safetensors: '", name, "' has ", source.size(), " bytes, "
                 "fewer than the 8 of its header length: not a safetensors file, or truncated");
@@ -174,9 +173,9 @@ inline SafetensorsHeader read_safetensors_header(const ByteSource& source) {
   MIXPREC_CHECK(header.is_object(), "safetensors: the header of '", name,
                 "' is not a JSON object");
   check_unique_keys(header, name, nullptr);
-  SafetensorsHeader parsed;
-  parsed.data_start = 8 + header_size;
-  const std::uint64_t data_size = source.size() - parsed.data_start;
+  SafetensorsIndex index;
+  index.data_start = 8 + header_size;
+  const std::uint64_t data_size = source.size() - index.data_start;
   for (const auto& [key, value] : header.members) {
     if (key == "__metadata__") {
       MIXPREC_CHECK(value.is_object() &&
@@ -185,28 +184,33 @@ inline SafetensorsHeader read_safetensors_header(const ByteSource& source) {
                     "safetensors: '", name, "' has a __metadata__ that is not an object of "
                     "strings");
       check_unique_keys(value, name, "__metadata__");
-      for (const auto& m : value.members) parsed.metadata.emplace_back(m.first, m.second.text);
       continue;
     }
-    parsed.entries.push_back(safetensors_entry(key, value, data_size, name));
+    index.entries.push_back(safetensors_entry(key, value, data_size, name));
   }
-  check_tiling(parsed.entries, data_size, name);
-  return parsed;
+  check_tiling(index.entries, data_size, name);
+  return index;
+}
+
+/// One tensor of an indexed safetensors file.
+inline at::Tensor read_safetensors_entry(const ByteSource& source, const SafetensorsIndex& index,
+                                         const SafetensorsEntry& entry) {
+  auto t = at::empty(entry.shape, at::TensorOptions(entry.dtype));
+  const auto bytes = entry.end - entry.begin;
+  source.read(index.data_start + entry.begin, t.data_ptr(), bytes);
+  if (entry.dtype == at::kBool) {
+    check_bool_bytes(t.data_ptr(), static_cast<std::size_t>(bytes),
+                     "safetensors: tensor '" + entry.name + "' of '" + source.name() + "'");
+  }
+  return t;
 }
 
 /// The tensors of the safetensors bytes of `source`, in the header's order.
 inline StateDict read_safetensors(const ByteSource& source) {
-  const auto header = read_safetensors_header(source);
+  const auto index = index_safetensors(source);
   StateDict tensors;
-  for (const auto& entry : header.entries) {
-    auto t = at::empty(entry.shape, at::TensorOptions(entry.dtype));
-    const auto bytes = entry.end - entry.begin;
-    source.read(header.data_start + entry.begin, t.data_ptr(), bytes);
-    if (entry.dtype == at::kBool) {
-      check_bool_bytes(t.data_ptr(), static_cast<std::size_t>(bytes),
-                       "safetensors: tensor '" + entry.name + "' of '" + source.name() + "'");
-    }
-    tensors.insert(entry.name, std::move(t));
+  for (const auto& entry : index.entries) {
+    tensors.insert(entry.name, read_safetensors_entry(source, index, entry));
   }
   return tensors;
 }

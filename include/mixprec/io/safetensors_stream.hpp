@@ -150,13 +150,28 @@ class SafetensorsWriter {
   std::size_t next_ = 0;
 };
 
+// The __metadata__ strings of a safetensors file whose header index_safetensors has checked
+// (an object of strings), in the header's order.
+inline std::vector<std::pair<std::string, std::string>> safetensors_metadata(
+    const ByteSource& source, const SafetensorsIndex& index) {
+  const auto header = JsonParser::parse(source.read_string(8, index.data_start - 8),
+                                        "safetensors: the header of '" + source.name() + "'");
+  std::vector<std::pair<std::string, std::string>> result;
+  for (const auto& [key, value] : header.members) {
+    if (key != "__metadata__") continue;
+    for (const auto& m : value.members) result.emplace_back(m.first, m.second.text);
+  }
+  return result;
+}
+
 /// A safetensors file read by ranges: its header parsed and checked once (a damaged or foreign
 /// file is an Error naming it), then any elements of a tensor copied into the caller's memory.
 class SafetensorsFile {
  public:
   explicit SafetensorsFile(const std::string& path)
       : source_(std::make_unique<FileSource>(path)),
-        header_(read_safetensors_header(*source_)) {
+        header_(index_safetensors(*source_)),
+        metadata_(safetensors_metadata(*source_, header_)) {
     for (std::size_t i = 0; i < header_.entries.size(); ++i) {
       index_.emplace(header_.entries[i].name, i);
     }
@@ -173,7 +188,7 @@ class SafetensorsFile {
 
   /// The __metadata__ value of `key`, or nullopt.
   std::optional<std::string> metadata(const std::string& key) const {
-    for (const auto& [k, v] : header_.metadata) {
+    for (const auto& [k, v] : metadata_) {
       if (k == key) return v;
     }
     return std::nullopt;
@@ -196,7 +211,8 @@ class SafetensorsFile {
 
  private:
   std::unique_ptr<FileSource> source_;
-  SafetensorsHeader header_;
+  SafetensorsIndex header_;
+  std::vector<std::pair<std::string, std::string>> metadata_;
   std::unordered_map<std::string, std::size_t> index_;
 };
 
