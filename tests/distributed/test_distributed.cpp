@@ -14,6 +14,7 @@
 #include <torch/torch.h>
 
 #include <spawn.h>
+#include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -2036,10 +2037,15 @@ const std::map<std::string, std::function<void(Rank&)>>& rank_cases() {
   return cases;
 }
 
+// sharded_checkpoint_cases.hpp's, included below.
+const std::map<std::string, std::function<void(Rank&)>>& sharded_checkpoint_cases();
+
 int run_case(const std::string& name, Rank& r, const std::function<void(Rank&)>& connect) {
   try {
     connect(r);
-    rank_cases().at(name)(r);
+    const auto& cases = rank_cases();
+    const auto found = cases.find(name);
+    (found != cases.end() ? found->second : sharded_checkpoint_cases().at(name))(r);
   } catch (const std::exception& e) {
     std::cerr << "rank " << r.rank << ": unexpected exception: " << e.what() << "\n";
     return 2;
@@ -2208,6 +2214,8 @@ void require_survivors_passed(const std::vector<Outcome>& outcomes) {
 }
 
 }  // namespace
+
+#include "sharded_checkpoint_cases.hpp"
 
 TEST_CASE("distributed: N ranks x batch B train as 1 process x batch N*B, for every policy") {
   require_passed_on_2_and_3("equivalence");

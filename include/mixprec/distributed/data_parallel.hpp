@@ -178,6 +178,15 @@ class DataParallel final : public detail::StepGroup {
   /// param groups' options.
   void scatter_state(torch::optim::Optimizer& full) override { detail::scatter_state(shards_, full); }
 
+  /// Sharded checkpoints: the laid-out tensors and this rank's pieces of them; a piece's value
+  /// and its assignment; a bucket's fp32 values gathered (collective).
+  std::vector<detail::ShardSlot> shard_slots() const override { return detail::shard_slots(shards_); }
+  at::Tensor piece_value(std::size_t slot) const override { return shards_.piece_value(slot); }
+  void assign_piece(std::size_t slot, const at::Tensor& value) override {
+    shards_.assign_piece(slot, value);
+  }
+  at::Tensor gather_fp32(std::size_t bucket) override { return detail::gather_fp32(shards_, bucket); }
+
   /// Before a backward pass: `sync` on the micro-batch after which gradients are reduced
   /// (the last of an accumulation); before the others nothing is communicated. `first`: the
   /// first micro-batch of an optimizer step (sharded: the accumulation starts over).

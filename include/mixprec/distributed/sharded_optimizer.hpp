@@ -243,6 +243,23 @@ class ShardedOptimizer {
     return weights ? units : lean_->kept_bytes(reducer_.layout()) - units;
   }
 
+  /// Slot `i`'s piece as its value: under a lean storage a master's fp32 value (a new
+  /// tensor), else the piece itself. A sharded checkpoint writes it.
+  at::Tensor piece_value(std::size_t i) const {
+    if (lean_) {
+      auto value = lean_->value(reducer_.layout(), i);
+      if (value.defined()) return value;
+    }
+    return reducer_.layout().slots()[i].piece;
+  }
+  /// Slot `i`'s piece takes `value` (flat, the piece's dtype), kept as the storage keeps it. A
+  /// sharded checkpoint's load.
+  void assign_piece(std::size_t i, const at::Tensor& value) {
+    if (lean_ && lean_->assign(reducer_.layout(), i, value)) return;
+    at::NoGradGuard no_grad;
+    reducer_.layout().slots()[i].piece.copy_(value.reshape({-1}));
+  }
+
   /// A piece's value in the model's dtype where a lean storage keeps it so, else the piece.
   static const at::Tensor& model_value(const Slot& slot) {
     return slot.low.defined() ? slot.low : slot.piece;

@@ -52,9 +52,18 @@ struct Json {
   /// Compact JSON text, for messages.
   std::string dump() const;
 
+  /// `s` as a JSON string: quotes and backslashes escaped, control characters as \u00XX (a
+  /// checkpoint's index writes names that a parser must read back).
   static std::string quoted(const std::string& s) {
     std::string out = "\"";
     for (const char c : s) {
+      if (static_cast<unsigned char>(c) < 0x20) {
+        static constexpr char hex[] = "0123456789abcdef";
+        out += "\\u00";
+        out += hex[(c >> 4) & 0xF];
+        out += hex[c & 0xF];
+        continue;
+      }
       if (c == '"' || c == '\\') out += '\\';
       out += c;
     }

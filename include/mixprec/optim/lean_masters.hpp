@@ -69,6 +69,14 @@ class LeanMasters {
     e.inflated = true;
   }
 
+  /// Pair `index`'s master holds `value` (a tensor of its own, fp32, the master's shape): a
+  /// checkpoint's value, to be stowed.
+  void inflate_with(std::size_t index, at::Tensor& master, const at::Tensor& value) {
+    auto& e = entries_.at(index);
+    master.set_data(value);
+    e.inflated = true;
+  }
+
   /// Pair `index`'s fp32 master value, as a new tensor (the master itself left as it is).
   at::Tensor value(std::size_t index, const at::Tensor& model) const {
     const auto& e = entries_.at(index);
