@@ -215,7 +215,8 @@ Run run_configuration(const Config& c, std::int64_t layers, int steps, const Siz
                       bool smoke, const fs::path& root, Mode mode = Mode::run) {
   static int counter = 0;
   const auto dir = root / ("run" + std::to_string(counter++));
-  // A file (Trainer::save) or a directory (torch.distributed.checkpoint).
+  // A file (Trainer::save, unsharded), a directory (a sharded Trainer::save, or
+  // torch.distributed.checkpoint).
   const auto checkpoint = dir / (c.kind == Kind::python ? "checkpoint" : "run.ckpt");
   Run run;
   run.layers = layers;
@@ -433,9 +434,10 @@ int main(int argc, char** argv) {
       << "rows build each layer, cut it into the rank's pieces and free it before the next, "
       << "`mixprec::ShardedBuild`, the lean row in bf16; the others build the fp32 model whole; "
       << "FSDP2 builds on the meta device), *steps* (" << sizes.steps << ", the first allocates "
-      << "AdamW's state), *save* and *load* (mixprec: `Trainer::save` / `load`, one consolidated "
-      << "file for which every rank gathers every tensor's fp32 value and the full optimizer "
-      << "state; FSDP2: `torch.distributed.checkpoint`, each rank its own shards), *teardown* "
+      << "AdamW's state), *save* and *load* (mixprec: `Trainer::save` / `load`, a sharded run's "
+      << "checkpoint directory, each rank streaming its own pieces into its shard and reading "
+      << "back only the ranges it holds; the unsharded data-parallel rows: one file; FSDP2: "
+      << "`torch.distributed.checkpoint`, each rank its own shards), *teardown* "
       << "(the Trainer, or FSDP2's model and optimizer, goes)"
       << (reshard.empty() ? std::string()
                           : "; and *reshard*: fresh processes on " + reshard + " rank" +

@@ -8,9 +8,9 @@
 //   steps: build, steps, teardown (the losses' runs)
 //
 // The ZeRO-3 rows build their units piece by piece (mixprec::ShardedBuild): no rank holds the
-// model whole. The checkpoint is Trainer::save / load (save_checkpoint, load_checkpoint below:
-// the consolidated file today, every rank gathering every tensor's fp32 value and the full
-// optimizer state for the time of a save or a load).
+// model whole. The checkpoint is Trainer::save / load (save_checkpoint, load_checkpoint below):
+// a sharded run's is a directory, each rank streaming its own pieces into its shard and reading
+// back only the ranges it holds (at another world size too); an unsharded run's is one file.
 #include "harness.hpp"
 #include "tensor_memory.hpp"
 
@@ -205,8 +205,8 @@ class Trace {
   std::optional<bench::TensorMemoryWatch> watch_;
 };
 
-// The checkpoint's two phases. Today Trainer::save / load: one consolidated file (rank 0
-// writes it), every rank gathering the full fp32 values and optimizer state for their time.
+// The checkpoint's two phases: Trainer::save / load, a directory of per-rank shards where the
+// run is sharded (no rank gathers a whole tensor), one file (rank 0 writes it) where it is not.
 template <class P>
 void save_checkpoint(mp::Trainer<P>& trainer, const std::string& path) {
   trainer.save(path);
