@@ -24,6 +24,14 @@ if(MODE STREQUAL "find_package")
     message(FATAL_ERROR "cmake --install failed")
   endif()
   list(PREPEND _prefix_path ${WORK_DIR}/prefix)
+  # The installed launcher starts N ranks with torchrun's variables.
+  execute_process(COMMAND ${WORK_DIR}/prefix/bin/mixprec-launch -n 2 --
+                          sh -c "echo \"rank $RANK of $WORLD_SIZE, local $LOCAL_RANK\""
+                  RESULT_VARIABLE _rc OUTPUT_VARIABLE _out ERROR_VARIABLE _err)
+  if(NOT _rc EQUAL 0 OR NOT _out MATCHES "rank 0 of 2, local 0" OR
+     NOT _out MATCHES "rank 1 of 2, local 1")
+    message(FATAL_ERROR "the installed bin/mixprec-launch did not start 2 ranks:\n${_out}${_err}")
+  endif()
 endif()
 set(_launcher)
 find_program(_ccache ccache)
