@@ -117,6 +117,9 @@ struct Advice {
   /// On a CPU whose fp16 convolution weight gradients are oneDNN's reference loop
   /// (CpuCapabilities::fp16_conv_weight_grad_slow): the model's convolutions that would take it.
   std::vector<std::string> slow_fp16_convolutions;
+  /// On a CPU: bf16 computes slower than fp32 there (CpuCapabilities::bf16_slow, no bf16
+  /// hardware that LibTorch uses); a reason then says what a bf16 recommendation costs.
+  bool slow_bf16 = false;
   /// The model's mixprec::nn::Float8Linear layers (those that ran), and whether fp8 holds each.
   std::vector<Fp8LayerAdvice> fp8_layers;
 

@@ -215,7 +215,10 @@ inline void decide(Advice& advice) {
   }
   advice.recommended = std::string(MixedO2<at::BFloat16>::name);
   if (advice.fp16_safe) {
-    why.push_back("bf16 holds every layer; on the CPU bf16 is computed natively and fp16 is not "
+    why.push_back(std::string(advice.slow_bf16
+                                  ? "bf16 holds every layer and needs no loss scaling "
+                                  : "bf16 holds every layer; on the CPU bf16 is computed natively "
+                                    "and fp16 is not ") +
                   "(fp16 would also fit, with a loss scale from " + power_of_two(low) + " to " +
                   power_of_two(high) + ")");
     return;
@@ -231,6 +234,19 @@ inline void decide(Advice& advice) {
   why.push_back("to use fp16 anyway: MixedO1<Half> with " +
                 (keep16.empty() ? std::string("a loss scale per layer group") : list(keep16)) +
                 " outside autocast (mixprec::AutocastGuard(device, at::kHalf, false))");
+}
+
+/// After decide's reasons: on a CPU where bf16 computes slower than fp32 (advice.slow_bf16), what
+/// a recommendation that computes in bf16 costs there, and what is faster.
+inline void explain_slow_bf16(Advice& advice) {
+  if (!advice.slow_bf16) return;
+  const bool computes_bf16 = advice.recommended.find("BFloat16") != std::string::npos ||
+                             advice.recommended.find("MixedFP8") != std::string::npos;
+  if (!computes_bf16) return;
+  advice.reasons.push_back("bf16 is slower than fp32 on this CPU: " +
+                           slow_bf16_reason(cpu_capabilities()) + "; " + advice.recommended +
+                           " still halves the memory of what it stores in bf16, but for speed "
+                           "here train in FullPrecision");
 }
 
 /// The last reason, after decide's: on a CPU whose fp16 convolution weight gradients are oneDNN's

@@ -97,6 +97,7 @@ class Trainer : public detail::TrainerCheckpoints<P> {
     if (auto* lean = tensors_.lean()) lean->set_rounding(options_.rounding_seed(), 0);
     if (data_parallel_) tensors_.bind(*data_parallel_, *model_);
     detail::warn_slow_fp16_convolutions<P>(*model_, options_, tensors_.device_types());
+    detail::warn_slow_bf16<P>(options_, tensors_.device_types());
     if constexpr (detail::fp8_policy<P>) fp8_.enable<typename P::recipe>(std::move(fp8_layers));
     schedule_.start(optimizer);  // Python's scheduler constructor step (schedule.hpp)
   }
