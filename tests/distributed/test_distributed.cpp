@@ -1247,8 +1247,10 @@ void zero_equivalence(Rank& r, Opt kind, int accumulation, std::optional<double>
             << "max relative difference " << params << " in the parameters, " << masters
             << " in the fp32 weights; " << exact << " of 6 steps bitwise equal";
   if (measured) {
+    // The kernels this rank computes with (a rank inherits ATEN_CPU_CAPABILITY from the test).
     std::cerr << "; Adam's sum-order bound " << noise.bound() << " (magnification "
-              << noise.magnification() << "), beyond it " << std::max(beyond, masters_beyond);
+              << noise.magnification() << "), beyond it " << std::max(beyond, masters_beyond)
+              << ", ATen's CPU capability " << mp::detail::aten_cpu_capability();
   }
   std::cerr << " (tolerance " << tolerance << ")\n";
   RANK_EXPECT(beyond <= tolerance && masters_beyond <= tolerance, name);
