@@ -10,6 +10,7 @@
 #include "runner.hpp"
 #include <torch/csrc/distributed/c10d/FileStore.hpp>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
+#include <c10/util/ThreadLocalDebugInfo.h>
 #include <torch/torch.h>
 
 #include <spawn.h>
@@ -2008,6 +2009,304 @@ void case_zero_gradient(Rank& r) {
   RANK_EXPECT(worst <= 1.0 / 128, "MixedO2: " << worst);
 }
 
+// ---- A model built unit by unit (mixprec::ShardedBuild), loaded and torn down in shards
+
+// Live CPU tensor bytes allocated on this thread while it is installed, and their peak (the
+// allocator's reports, as PyTorch's profiler reads them; frees of older tensors do not count).
+template <class F>
+struct ReportedTotal;
+template <class C, class R, class S, class T>
+struct ReportedTotal<R (C::*)(void*, S, T, T, c10::Device)> {
+  using type = T;  // int64_t in LibTorch 1.13, size_t in 2.x
+};
+using Total = ReportedTotal<decltype(&c10::MemoryReportingInfoBase::reportMemoryUsage)>::type;
+
+class TensorBytes final : public c10::MemoryReportingInfoBase {
+ public:
+  void reportMemoryUsage(void*, std::int64_t size, Total, Total, c10::Device device) override {
+    if (device.type() != c10::DeviceType::CPU) return;
+    live_ += size;
+    peak_ = std::max(peak_, live_);
+  }
+  bool memoryProfilingEnabled() const override { return true; }
+  std::int64_t peak() const noexcept { return peak_; }
+
+ private:
+  std::int64_t live_ = 0, peak_ = 0;
+};
+struct TensorBytesWatch {
+  std::shared_ptr<TensorBytes> bytes = std::make_shared<TensorBytes>();
+  c10::DebugInfoGuard guard{c10::DebugInfoKind::PROFILER_STATE, bytes};
+};
+
+// Default-initialised layers (kaiming-uniform weights, uniform biases, LayerNorm's ones and
+// zeros): the random stream decides the weights. Its `out` is a mixprec wrapper inside the unit.
+struct BuildBlockImpl : torch::nn::Module {
+  BuildBlockImpl() {
+    fc = register_module("fc", torch::nn::Linear(24, 40));
+    norm = register_module("norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({40})));
+    out = register_module("out", mp::nn::Mappable<torch::nn::Linear>(40, 24));
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    return x + out->forward(torch::relu(norm->forward(fc->forward(x))));
+  }
+  torch::nn::Linear fc{nullptr};
+  torch::nn::LayerNorm norm{nullptr};
+  mp::nn::Mappable<torch::nn::Linear> out{nullptr};
+};
+TORCH_MODULE(BuildBlock);
+
+// Units: six Checkpointed blocks and a Mappable head; the first layer outside every unit.
+struct BuildNetImpl : torch::nn::Module {
+  BuildNetImpl() {
+    in = register_module("in", torch::nn::Linear(8, 24));
+    blocks = register_module("blocks", torch::nn::ModuleList());
+    for (int i = 0; i < 6; ++i) blocks->push_back(mp::nn::Checkpointed<BuildBlock>());
+    head = register_module("head", mp::nn::Mappable<torch::nn::Linear>(24, 4));
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    x = torch::relu(in->forward(x));
+    for (const auto& block : *blocks) x = block->as<mp::nn::CheckpointedImpl<BuildBlock>>()->forward(x);
+    return head->forward(x);
+  }
+  torch::nn::Linear in{nullptr};
+  torch::nn::ModuleList blocks{nullptr};
+  mp::nn::Mappable<torch::nn::Linear> head{nullptr};
+};
+TORCH_MODULE(BuildNet);
+
+const std::vector<std::string> kBuildUnits{"blocks.*", "head"};
+
+std::int64_t unit_elements(BuildNet& net) {
+  std::int64_t n = 0;
+  for (const auto& p : net->blocks->parameters()) n += p.numel();
+  for (const auto& p : net->head->parameters()) n += p.numel();
+  return n;
+}
+
+// `seed`'s model, built unit by unit over `group`; `peak`: the live tensor bytes' peak meanwhile.
+BuildNet built_in_shards(const c10::intrusive_ptr<mp::ProcessGroup>& group, std::int64_t seed,
+                         std::int64_t* peak = nullptr) {
+  TensorBytesWatch watch;
+  torch::manual_seed(seed);
+  mp::ShardedBuild build(group);
+  BuildNet net;
+  if (peak != nullptr) *peak = watch.bytes->peak();
+  return net;
+}
+
+bool units_held(BuildNet& net) {
+  bool held = true;
+  for (const auto& p : net->blocks->parameters()) held = held && mp::detail::HeldShards::is_placeholder(p);
+  for (const auto& p : net->head->parameters()) held = held && mp::detail::HeldShards::is_placeholder(p);
+  return held && mp::holds_shards(*net);
+}
+
+std::vector<torch::Tensor> unsharded_values(BuildNet& net) {
+  mp::unshard(*net);
+  auto values = snapshot(net->parameters());
+  mp::reshard(*net);
+  return values;
+}
+
+// Three MixedO2 ZeRO-3 steps (tiny buckets: the layout cuts each tensor otherwise than the
+// build did); the fp32 weights after them, and the live bytes' peak while the Trainer goes.
+std::vector<torch::Tensor> train_built(Rank& r, BuildNet& net, std::int64_t& teardown_peak) {
+  using P = mp::MixedO2<at::BFloat16>;
+  torch::optim::AdamW optimizer(net->parameters(), torch::optim::AdamWOptions(1.0 / 32));
+  std::vector<torch::Tensor> fp32;
+  {
+    auto trainer = std::make_unique<mp::Trainer<P>>(
+        net, optimizer,
+        mp::TrainerOptions().max_grad_norm(0.5).distributed(zero_options(r, 2).shard_parameters(kBuildUnits)));
+    auto gen = at::detail::createCPUGenerator(static_cast<std::uint64_t>(40 + r.rank));
+    for (int k = 0; k < 3; ++k) {
+      const auto x = torch::randn({4, 8}, gen), y = torch::randn({4, 4}, gen);
+      trainer->step([&] { return (net->forward(trainer->cast_input(x)).to(torch::kFloat) - y).pow(2).mean(); });
+    }
+    fp32 = values_of(trainer->fp32_state_dict());
+    TensorBytesWatch watch;
+    trainer.reset();
+    teardown_peak = watch.bytes->peak();
+  }
+  return fp32;
+}
+
+// The same seed gives the same weights built unit by unit at any world size, those of the model
+// built whole; a rank's build peaks below the whole model; ZeRO-3 trains the pieces as the
+// whole model, and leaves them held in shards, allocating no unit whole.
+void case_sharded_build(Rank& r) {
+  const auto root = std::filesystem::path(r.dir).parent_path();
+  torch::manual_seed(11);
+  BuildNet whole;
+  const auto expected = snapshot(whole->parameters());
+  std::int64_t model_bytes = 0;
+  for (const auto& p : whole->parameters()) model_bytes += p.numel() * 4;
+  const auto units = unit_elements(whole);
+  const std::int64_t block_bytes = 4 * (24 * 40 + 40 + 80 + 40 * 24 + 24);
+
+  std::int64_t build_peak = 0;
+  auto built = built_in_shards(r.group, 11, &build_peak);
+  std::cerr << "rank " << r.rank << " x" << r.world << ": building peaked at " << build_peak
+            << " bytes of tensors, the model is " << model_bytes << " (a unit " << block_bytes << ")\n";
+  RANK_EXPECT(units_held(built), "the units are not held in shards");
+  RANK_EXPECT(identical(built->in->weight, whole->in->weight), "the first layer is not whole");
+  RANK_EXPECT(torch::isnan(built->blocks[0]->as<mp::nn::CheckpointedImpl<BuildBlock>>()->inner()->fc->weight).all().item<bool>(),
+              "a held weight reads a number");
+  // This rank's pieces of the units, the first layer, one unit whole at a time.
+  RANK_EXPECT(build_peak <= model_bytes - 4 * units + 4 * units / r.world + block_bytes + 1024,
+              build_peak);
+  if (r.world > 1) RANK_EXPECT(build_peak < model_bytes, build_peak << " of " << model_bytes);
+
+  // Evaluated outside a Trainer: each unit gathered for its forward, held again after it.
+  const auto x = torch::randn({3, 8});
+  {
+    torch::NoGradGuard no_grad;
+    RANK_EXPECT(identical(built->forward(x), whole->forward(x)), "outputs differ");
+  }
+  RANK_EXPECT(units_held(built), "a forward left units whole");
+  try {
+    built->forward(x);
+    RANK_EXPECT(false, "no Error for a forward with gradients");
+  } catch (const mp::Error& e) {
+    RANK_EXPECT(std::string(e.what()).find("torch::NoGradGuard") != std::string::npos, e.what());
+  }
+  RANK_EXPECT(units_held(built), "the Error left units whole");
+  const auto values = unsharded_values(built);
+  RANK_EXPECT(identical(values, expected), "built unit by unit, the weights differ from the model built whole");
+  RANK_EXPECT(units_held(built), "reshard() left units whole");
+  if (r.rank == 0) torch::save(values, (root / ("built_x" + std::to_string(r.world) + ".pt")).string());
+
+  // ZeRO-3 from the pieces and from the whole model: the same steps, bit for bit.
+  std::int64_t teardown_plain = 0, teardown_built = 0;
+  torch::manual_seed(11);
+  BuildNet reference;
+  const auto trained_plain = train_built(r, reference, teardown_plain);
+  const auto trained = train_built(r, built, teardown_built);
+  RANK_EXPECT(identical(trained, trained_plain), "the model built in shards trains otherwise");
+  std::cerr << "rank " << r.rank << " x" << r.world << ": the Trainer's teardown peaked at "
+            << teardown_built << " bytes of tensors (" << teardown_plain << " built whole)\n";
+  // Torn down: each rank keeps its pieces of the units in the model's dtypes, never a unit
+  // whole (each of the tiny buckets pads its slices by less than a world size).
+  std::int64_t unit_bytes = 0;
+  for (const auto& p : built->blocks->parameters()) unit_bytes += p.numel() * p.element_size();
+  for (const auto& p : built->head->parameters()) unit_bytes += p.numel() * p.element_size();
+  RANK_EXPECT(teardown_built <= unit_bytes / r.world + 256 * r.world + 512, teardown_built);
+  if (r.world > 1) RANK_EXPECT(teardown_built < unit_bytes, teardown_built << " of " << unit_bytes);
+  RANK_EXPECT(units_held(built), "torn down, the units are not held in shards");
+  // Their values: the trained masters' rounding, as the model's weights would be whole.
+  mp::unshard(*built);
+  std::vector<torch::Tensor> model_values;
+  const auto named = built->named_parameters();
+  for (const auto& item : named) model_values.push_back(item.value().detach().clone());
+  std::vector<torch::Tensor> rounded;
+  for (std::size_t i = 0; i < trained.size(); ++i) rounded.push_back(trained[i].to(model_values[i].scalar_type()));
+  RANK_EXPECT(identical(model_values, rounded), "torn down, the units hold other values");
+  mp::reshard(*built);
+
+  // Ranks that built from other seeds: an Error on every rank at the Trainer, nothing changed.
+  if (r.world > 1) {
+    auto odd = built_in_shards(r.group, 100 + r.rank);
+    torch::optim::AdamW optimizer(odd->parameters(), torch::optim::AdamWOptions(0.1));
+    try {
+      mp::Trainer<mp::MixedO2<at::BFloat16>> trainer(
+          odd, optimizer, mp::TrainerOptions().distributed(zero_options(r, 2).shard_parameters(kBuildUnits)));
+      RANK_EXPECT(false, "no Error for ranks built from other seeds");
+    } catch (const mp::Error& e) {
+      RANK_EXPECT(std::string(e.what()).find("with other values on rank 1 than on rank 0") != std::string::npos, e.what());
+    }
+    RANK_EXPECT(units_held(odd), "the Error changed the model");
+    // A Trainer over another group than the one the units were cut for.
+    auto store = c10::make_intrusive<c10d::FileStore>(r.dir + "/one_rank" + std::to_string(r.rank), 1);
+    auto fresh = built_in_shards(r.group, 11);
+    torch::optim::AdamW adamw(fresh->parameters(), torch::optim::AdamWOptions(0.1));
+    try {
+      mp::Trainer<mp::MixedO2<at::BFloat16>> trainer(
+          fresh, adamw, mp::TrainerOptions().distributed(mp::DistributedOptions(
+                            mp::gloo_group(store, 0, 1, std::chrono::seconds(30))).shard_parameters(kBuildUnits)));
+      RANK_EXPECT(false, "no Error for a group of another size");
+    } catch (const mp::Error& e) {
+      RANK_EXPECT(std::string(e.what()).find("of " + std::to_string(r.world) + " on rank 0 of the Trainer's 1") !=
+                      std::string::npos, e.what());
+    }
+    RANK_EXPECT(units_held(fresh), "the Error changed the model");
+  }
+}
+
+// Writes `tensors` as a safetensors file of F32 tensors.
+void write_safetensors(const std::string& path, const std::vector<std::pair<std::string, torch::Tensor>>& tensors) {
+  std::string header = "{", data;
+  for (const auto& [name, t] : tensors) {
+    const auto c = t.detach().to(torch::kFloat).contiguous();
+    std::string shape;
+    for (const auto s : c.sizes()) shape += (shape.empty() ? "" : ",") + std::to_string(s);
+    const auto begin = data.size();
+    data.append(static_cast<const char*>(c.data_ptr()), c.nbytes());
+    header += (header.size() > 1 ? "," : "") + ("\"" + name + "\":{\"dtype\":\"F32\",\"shape\":[" + shape +
+              "],\"data_offsets\":[" + std::to_string(begin) + "," + std::to_string(data.size()) + "]}");
+  }
+  header += "}";
+  std::ofstream out(path, std::ios::binary);
+  std::uint64_t length = header.size();
+  out.write(reinterpret_cast<const char*>(&length), 8);
+  out << header << data;
+}
+
+// load_weights of a safetensors file into a model held in shards: each tensor read, cut and
+// freed in turn; the values those of the model built whole and loaded; a file that does not
+// fit is an Error that changes nothing.
+void case_sharded_load(Rank& r) {
+  const auto file = r.dir + "/weights.safetensors", bad = r.dir + "/bad.safetensors";
+  std::int64_t file_bytes = 0;
+  if (r.rank == 0) {
+    torch::manual_seed(21);
+    BuildNet source;
+    std::vector<std::pair<std::string, torch::Tensor>> tensors, wrong;
+    for (const auto& item : source->named_parameters()) {
+      tensors.emplace_back(item.key(), item.value());
+      wrong.emplace_back(item.key(), item.key() == "blocks.3.norm.weight" ? torch::ones({41}) : item.value());
+    }
+    write_safetensors(file, tensors);
+    write_safetensors(bad, wrong);
+  }
+  r.group->barrier()->wait();
+  torch::manual_seed(11);
+  BuildNet whole;
+  mp::load_weights(*whole, file);
+  for (const auto& p : whole->parameters()) file_bytes += p.numel() * 4;
+  auto built = built_in_shards(r.group, 11);
+  std::int64_t largest = 0;
+  for (const auto& p : whole->parameters()) largest = std::max(largest, p.numel() * 4);
+  std::int64_t peak = 0;
+  {
+    TensorBytesWatch watch;
+    mp::load_weights(*built, file);
+    peak = watch.bytes->peak();
+  }
+  std::cerr << "rank " << r.rank << " x" << r.world << ": loading peaked at " << peak
+            << " bytes of tensors; the file holds " << file_bytes << "\n";
+  RANK_EXPECT(units_held(built), "loading left units whole");
+  const auto loaded = unsharded_values(built);
+  RANK_EXPECT(identical(loaded, snapshot(whole->parameters())), "streamed, the weights differ from the whole model's load");
+  // One tensor read at a time, this rank's pieces of the others, the first layer whole.
+  RANK_EXPECT(peak <= 2 * largest + file_bytes / r.world + 4 * (8 * 24 + 24) + 1024, peak);
+  if (r.world > 1) RANK_EXPECT(peak < file_bytes, peak << " of " << file_bytes);
+  try {
+    mp::load_weights(*built, bad);
+    RANK_EXPECT(false, "no Error for a tensor of another shape");
+  } catch (const mp::Error& e) {
+    const std::string message = e.what();
+    RANK_EXPECT(message.find("'blocks.3.norm.weight' has shape [41]") != std::string::npos &&
+                    message.find("Nothing was loaded") != std::string::npos, message);
+  }
+  RANK_EXPECT(identical(unsharded_values(built), loaded), "a failed load changed the weights");
+  // A state dict in memory: each rank keeps its pieces too.
+  torch::manual_seed(31);
+  BuildNet other;
+  mp::load_state_dict(*built, other->named_parameters());
+  RANK_EXPECT(identical(unsharded_values(built), snapshot(other->parameters())), "load_state_dict");
+}
+
 const std::map<std::string, std::function<void(Rank&)>>& rank_cases() {
   static const std::map<std::string, std::function<void(Rank&)>> cases{
       {"equivalence", [](Rank& x) { case_equivalence(x, 1); }},
@@ -2058,6 +2357,8 @@ const std::map<std::string, std::function<void(Rank&)>>& rank_cases() {
       {"zero3_kill", case_zero3_kill},
       {"zero3_resume", case_zero3_resume},
       {"zero3_resume_unsharded", case_zero3_resume_unsharded},
+      {"sharded_build", case_sharded_build},
+      {"sharded_load", case_sharded_load},
   };
   return cases;
 }
@@ -2526,6 +2827,24 @@ TEST_CASE("distributed, sharded parameters: a checkpoint saved on 3 ranks resume
   compare("unsharded_x2.pt", 0.05);
 }
 
+TEST_CASE("distributed, sharded build: the same seed gives the same weights at 1, 2, 3 and 4 ranks, the whole model's; built, trained and torn down without a unit whole") {
+  const auto root = fresh_dir("sharded_build");
+  std::vector<torch::Tensor> first;
+  for (const int world : {1, 2, 3, 4}) {
+    CAPTURE(world);
+    require_all_passed(run_ranks("sharded_build", world, std::chrono::seconds(240),
+                                 root / ("x" + std::to_string(world))));
+    std::vector<torch::Tensor> values;
+    torch::load(values, (root / ("built_x" + std::to_string(world) + ".pt")).string());
+    if (first.empty()) first = values;
+    CHECK(identical(values, first));
+  }
+}
+
+TEST_CASE("distributed, sharded build: load_weights streams a safetensors file into the pieces, as into the whole model") {
+  require_all_passed(run_ranks("sharded_load", 3));
+}
+
 TEST_CASE("distributed, sharded parameters: a rank killed mid-run: the others throw, their pieces and state as before the step") {
   require_survivors_passed(run_ranks("zero3_kill", 3, std::chrono::seconds(120)));
 }
@@ -2794,6 +3113,54 @@ TEST_CASE("distributed, sharded parameters: bad units are an Error before the mo
     return;
   }
   CHECK(identical(net->parameters(), before));
+}
+
+TEST_CASE("distributed, sharded build: a held model's bad uses are Errors that say what to do, nothing changed; casts keep the pieces") {
+  auto group = solo_group();
+  torch::manual_seed(5);
+  BuildNet whole;
+  const auto expected = snapshot(whole->parameters());
+  SUBCASE("a null process group") {
+    CHECK_THROWS_WITH_AS(mp::ShardedBuild(c10::intrusive_ptr<mp::ProcessGroup>()), doctest::Contains("the process group is null"), mp::Error);
+  }
+  SUBCASE("a Trainer without data parallel") {
+    auto net = built_in_shards(group, 5);
+    torch::optim::AdamW optimizer(net->parameters(), torch::optim::AdamWOptions(0.1));
+    CHECK_THROWS_WITH_AS(mp::Trainer<mp::MixedO2<at::BFloat16>>(net, optimizer),
+                         doctest::Contains("is held in shards across ranks"), mp::Error);
+    CHECK(units_held(net));
+    CHECK(identical(unsharded_values(net), expected));
+  }
+  SUBCASE("LibTorch's module->to(dtype) casts the placeholders: an Error at the next gather, never NaN weights") {
+    auto net = built_in_shards(group, 5);
+    net->to(at::kBFloat16);
+    CHECK_THROWS_WITH_AS(mp::unshard(*net), doctest::Contains("use mixprec::cast_floating"), mp::Error);
+    torch::optim::AdamW optimizer(net->parameters(), torch::optim::AdamWOptions(0.1));
+    CHECK_THROWS_WITH_AS(mp::Trainer<mp::PureHalf<at::BFloat16>>(
+                             net, optimizer,
+                             mp::TrainerOptions().distributed(mp::DistributedOptions(group).shard_parameters(kBuildUnits))),
+                         doctest::Contains("parameter 'blocks.0.fc.weight' of shape [40, 24] is held in shards across ranks, but its data was replaced"),
+                         mp::Error);
+  }
+  SUBCASE("cast_floating, and a build in bf16, round the pieces as the whole model's") {
+    auto net = built_in_shards(group, 5);
+    mp::cast_floating(*net, at::kBFloat16);
+    CHECK(units_held(net));
+    std::vector<torch::Tensor> rounded;
+    for (const auto& t : expected) rounded.push_back(t.to(at::kBFloat16));
+    CHECK(identical(unsharded_values(net), rounded));
+    torch::manual_seed(5);
+    BuildNet low{nullptr};
+    {
+      mp::ShardedBuild build(group, at::kBFloat16);
+      low = BuildNet();
+    }
+    CHECK(units_held(low));
+    CHECK(low->head->inner()->weight.scalar_type() == at::kBFloat16);
+    CHECK(low->in->weight.scalar_type() == at::kFloat);  // outside every unit: as built
+    mp::unshard(*low);
+    CHECK(identical(low->head->inner()->weight, whole->head->inner()->weight.to(at::kBFloat16)));
+  }
 }
 
 TEST_CASE("distributed, sharded: a late param group with a tensor the optimizer trains already is an Error, nothing changed") {

@@ -25,6 +25,7 @@
 #include <iostream>
 #include <limits>
 #include <optional>
+#include <set>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -545,13 +546,19 @@ void write_weight_seed(const std::string& name, const std::string& bytes) {
 }
 
 void load_into_model(const mp::StateDict& dict, std::size_t input_size) {
-  std::size_t bytes = 0;
+  std::size_t bytes = 0, total = 0;
+  std::set<const void*> storages;
   for (const auto& item : dict) {
     const auto& t = item.value();
     // What the tensor's bytes can reach: its storage, which the file holds.
-    bytes = std::max(bytes, static_cast<std::size_t>(t.storage().nbytes()));
+    const auto nbytes = static_cast<std::size_t>(t.storage().nbytes());
+    bytes = std::max(bytes, nbytes);
+    if (storages.insert(t.storage().unsafeGetStorageImpl()).second) total += nbytes;
   }
   if (bytes > input_size) violation("a weight reader made a storage larger than its input");
+  // Each byte of the input in one storage at most: zip records that overlap would hand the same
+  // bytes to many (a zip bomb).
+  if (total > input_size) violation("a weight reader made storages that add up to more than its input");
   auto& model = *weights_model;
   const auto before = copies(model->parameters());
   const auto buffers = copies(model->buffers());
@@ -632,13 +639,17 @@ void fuzz_torch_save_init() {
 
 int fuzz_torch_save(const std::uint8_t* data, std::size_t size) {
   mp::StateDict dict;
-  try {
-    dict = mp::parse_torch_save(data, size, "fuzz");
-  } catch (const mp::Error&) {
+  // The file as a state dict, else as a checkpoint of one under "model" (the key path).
+  for (const char* key : {"", "model"}) {
+    try {
+      dict = mp::parse_torch_save(data, size, "fuzz", key);
+    } catch (const mp::Error&) {
+      continue;
+    } catch (const std::exception& e) {
+      violation(std::string("parse_torch_save threw a non-mixprec exception: ") + e.what());
+    }
+    load_into_model(dict, size);
     return 0;
-  } catch (const std::exception& e) {
-    violation(std::string("parse_torch_save threw a non-mixprec exception: ") + e.what());
   }
-  load_into_model(dict, size);
   return 0;
 }

@@ -422,3 +422,102 @@ TEST_CASE("Trainer::save_fp32 (LibTorch's pickle of (name, tensor) pairs) loads 
   for (const auto& item : fresh.named_parameters()) CHECK(test::identical(item.value(), expected[item.key()]));
   for (const auto& item : fresh.named_buffers()) CHECK(test::identical(item.value(), expected[item.key()]));
 }
+
+TEST_CASE("load_weights: a state dict without a norm layer's num_batches_tracked loads as PyTorch's load_state_dict: "
+          "present where the file gives the module no version (a plain dict, safetensors) or version 1, missing at 2") {
+  // weights.py trained: the trained state dict without norm.num_batches_tracked, as a plain dict,
+  // as state_dict()'s OrderedDict (its _metadata: BatchNorm version 2), with version 1 instead,
+  // and as safetensors; with what PyTorch's load_state_dict (load_model for safetensors) did
+  // with each into a Tied() whose counter was 5.
+  const auto manifest = trained_manifest();
+  const auto* cases = manifest.find("batchnorm");
+  REQUIRE(cases != nullptr);
+  const auto weights = mp::read_torch_save(trained_files() + "/trained.pt");
+  std::size_t files = 0;
+  for (const auto& [file, python] : cases->members) {
+    CAPTURE(file);
+    const auto path = trained_files() + "/" + file;
+    torch::manual_seed(12);
+    Tied model;
+    model.norm->num_batches_tracked.fill_(5);
+    const auto before = everything(model);
+    if (python.find("strict")->text == "loaded") {
+      mp::LoadReport report;
+      REQUIRE_NOTHROW(report = mp::load_weights(model, path));
+      CHECK(report.missing_keys.empty());
+      CHECK(report.unexpected_keys.empty());
+      CHECK(test::identical(model.norm->running_var, weights["norm.running_var"]));
+    } else {
+      CHECK(python.find("strict")->text == "Missing key(s) in state_dict: \"norm.num_batches_tracked\".");
+      CHECK_THROWS_WITH_AS(mp::load_weights(model, path),
+                           doctest::Contains("1 of the model's tensors has no key (missing keys: "
+                                             "'norm.num_batches_tracked'). Nothing was loaded"),
+                           mp::Error);
+      CHECK(test::identical(everything(model), before));
+    }
+    torch::manual_seed(12);
+    Tied loose;
+    loose.norm->num_batches_tracked.fill_(5);
+    const auto report = mp::load_weights(loose, path, mp::LoadOptions().strict(false));
+    CHECK(report.missing_keys == strings(*python.find("missing_keys")));
+    CHECK(report.unexpected_keys == strings(*python.find("unexpected_keys")));
+    CHECK(test::identical(loose.fc->weight, weights["fc.weight"]));
+    // The counter keeps its value, as torch >= 2.2 keeps it (pytorch#110850); torch <= 2.1 put a 0.
+    CHECK(loose.norm->num_batches_tracked.item<std::int64_t>() == 5);
+    const auto& version = python.find("torch")->text;  // "2.13.0+cpu"
+    const auto major = std::stoi(version), minor = std::stoi(version.substr(version.find('.') + 1));
+    const bool filled = python.find("missing_keys")->items.empty();
+    const bool keeps = major > 2 || (major == 2 && minor >= 2);
+    CHECK(std::stoll(python.find("num_batches_tracked")->text) == (filled && !keeps ? 0 : 5));
+    ++files;
+  }
+  MESSAGE(files, " state dicts without num_batches_tracked: the same keys reported as the Python of ",
+          "MIXPREC_PYTHON (torch ", cases->members.front().second.find("torch")->text, ")");
+  CHECK(files == (kNoSafetensorsPython ? 3U : 4U));
+
+  // Through the Trainer, the same rules: version 2 refused, no version loaded.
+  auto trained = std::make_shared<Tied>();
+  torch::optim::SGD sgd(trained->parameters(), torch::optim::SGDOptions(0.1));
+  mp::Trainer<mp::MixedO2<at::BFloat16>> trainer(trained, sgd);
+  CHECK_THROWS_WITH_AS(trainer.load_weights(trained_files() + "/no_nbt_v2.pt"),
+                       doctest::Contains("missing keys: 'norm.num_batches_tracked'"), mp::Error);
+  CHECK(trainer.load_weights(trained_files() + "/no_nbt_plain.pt").missing_keys.empty());
+  CHECK(test::identical(trainer.fp32_state_dict()["fc.weight"], weights["fc.weight"]));
+}
+
+TEST_CASE("load_state_dict: num_batches_tracked may be absent for every norm layer with running statistics "
+          "(BatchNorm, InstanceNorm, a Mappable one); another module's buffer of that name is missing") {
+  // An in-memory state dict has no module versions: Python's plain dict.
+  struct Norms : torch::nn::Module {
+    Norms() {
+      batch = register_module("batch", torch::nn::BatchNorm2d(3));
+      instance = register_module("instance", torch::nn::InstanceNorm1d(
+                                                 torch::nn::InstanceNorm1dOptions(3).track_running_stats(true)));
+      mapped = register_module("mapped", mp::nn::Mappable<torch::nn::BatchNorm1d>(3));
+      counter = register_module("counter", std::make_shared<torch::nn::Module>());
+      counter->register_buffer("num_batches_tracked", torch::tensor(4, at::kLong));
+    }
+    torch::nn::BatchNorm2d batch{nullptr};
+    torch::nn::InstanceNorm1d instance{nullptr};
+    mp::nn::Mappable<torch::nn::BatchNorm1d> mapped{nullptr};
+    std::shared_ptr<torch::nn::Module> counter;
+  };
+  torch::manual_seed(13);
+  Norms norms;
+  norms.batch->num_batches_tracked.fill_(7);
+  auto weights = fresh_values(norms);
+  weights = without(weights, {"batch.num_batches_tracked", "instance.num_batches_tracked",
+                              "mapped.num_batches_tracked"});
+  const auto report = mp::load_state_dict(norms, weights);
+  CHECK(report.missing_keys.empty());
+  CHECK(norms.batch->num_batches_tracked.item<std::int64_t>() == 7);
+  CHECK(test::identical(norms.batch->running_mean, weights["batch.running_mean"]));
+  CHECK(norms.counter->named_buffers()["num_batches_tracked"].item<std::int64_t>() == 11);  // 4 + 7
+  CHECK_THROWS_WITH_AS(mp::load_state_dict(norms, without(weights, {"counter.num_batches_tracked"})),
+                       doctest::Contains("missing keys: 'counter.num_batches_tracked'"), mp::Error);
+  mp::StateDict batch_only;
+  for (const auto& item : weights) {
+    if (item.key().rfind("batch.", 0) == 0) batch_only.insert(item.key().substr(6), item.value());
+  }
+  CHECK(mp::load_state_dict(norms, batch_only, mp::LoadOptions().submodule("batch")).missing_keys.empty());
+}

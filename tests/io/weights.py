@@ -7,11 +7,15 @@ is installed, for the C++ readers to read back value for value.
         (3 i + 1) mod 11 in its dtype), views of one storage (a column, a transpose, an offset
         slice, an expanded tensor, one tensor under two names), a module's state_dict() (an
         OrderedDict with _metadata), state_dict(keep_vars=True) (Parameters), pickle protocol 4,
-        a checkpoint dict, (name, tensor) pairs, no CRCs (torch 2.x's option), zip64 records and
-        end record; and files mixprec refuses, with why: the legacy format, a pickled module, a
+        a checkpoint dict, (name, tensor) pairs, 300 records, no CRCs (torch 2.x's option), zip64
+        records and end record, a checkpoint dict with ints beyond 64 bits (torch.initial_seed() after
+        manual_seed(2**64 - 1), 2**64, -2**70, 2**63: torch.load(weights_only=True) reads
+        them); and files mixprec refuses, with why: the legacy format, a pickled module, a
         TorchScript archive, a lone tensor, a re-compressed archive. safetensors files: empty
-        tensors beside non-empty ones in several orders, every dtype, 0-d tensors, metadata.
-        DIR/manifest.json: for each file, each tensor's dtype (torch's name), shape, stride,
+        tensors beside non-empty ones in several orders, every dtype, 0-d tensors, metadata, an
+        empty tensor whose other sizes are 2**62; and under "safetensors_shapes", what Python's
+        safetensors.torch.load does with headers whose sizes overflow beside a 0 ("read" or the
+        exception). DIR/manifest.json: for each file, each tensor's dtype (torch's name), shape, stride,
         storage offset and values (as float64; complex as (real, imag) pairs), or the refusal.
 
     python weights.py trained DIR
@@ -20,8 +24,12 @@ is installed, for the C++ readers to read back value for value.
         safetensors' save_model of it (trained.safetensors: one name of the tied pair), its
         eval-mode outputs on a batch (outputs.pt: {"ids", "logits"}), and what PyTorch's
         load_state_dict(strict=False) reports for a state dict with a key dropped and one added
-        (DIR/manifest.json). One thread, so that C++ computes the same bits.
+        (DIR/manifest.json); and state dicts without norm.num_batches_tracked (a plain dict, an
+        OrderedDict whose _metadata says BatchNorm version 2 or 1, safetensors), with what
+        PyTorch's load_state_dict does with each (manifest "batchnorm"). One thread, so that C++
+        computes the same bits.
 """
+import collections
 import json
 import os
 import struct
@@ -31,9 +39,9 @@ import zipfile
 import torch
 
 try:
-    from safetensors.torch import save_file, save_model
+    from safetensors.torch import load_model, save_file, save_model
 except ImportError:  # Debian's python3 (torch 1.13) has no safetensors
-    save_file = save_model = None
+    load_model = save_file = save_model = None
 
 SAFETENSORS = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16",
                torch.bfloat16: "BF16", torch.int64: "I64", torch.int32: "I32", torch.int16: "I16",
@@ -86,6 +94,27 @@ def with_zip64_end(source, target):
     assert zipfile.ZipFile(target).testzip() is None
 
 
+def safetensors_shapes():
+    """What Python's safetensors (and torch under it) does with an F32 tensor of no bytes whose
+    sizes overflow 64 bits beside a 0: safetensors multiplies the sizes in order (a product
+    that passes 2**64 before the 0 is an error), torch computes the contiguous strides (a 0
+    counts as 1: past 2**63 - 1 is an error)."""
+    from safetensors.torch import load
+    shapes = [[2**62, 2**62, 0], [0, 2**62, 2**62], [2**62, 0, 2**62], [2**31, 2**31, 4, 0],
+              [0, 2**62, 4], [0, 2**63 - 1, 2], [2**63 - 1, 0], [0, 2**63 - 1], [3, 0, 2**61, 4],
+              [2**63 - 1, 2, 0], [2**62, 3, 0]]
+    verdicts = []
+    for shape in shapes:
+        header = json.dumps({"t": {"dtype": "F32", "shape": shape, "data_offsets": [0, 0]}}).encode()
+        try:
+            load(struct.pack("<Q", len(header)) + header)
+            verdict = "read"
+        except Exception as e:  # safetensors' SafetensorError, torch's RuntimeError
+            verdict = f"{type(e).__name__}: {str(e).splitlines()[0]}"
+        verdicts.append({"shape": shape, "python": verdict})
+    return verdicts
+
+
 class Small(torch.nn.Module):
     def __init__(self):
         super().__init__()
@@ -126,6 +155,14 @@ def files(directory):
                            "optimizer": torch.optim.Adam(module.parameters()).state_dict()})
     manifest["checkpoint.pt"] = {"key": "model", **{k: describe(v) for k, v in state.items()}}
     save("pairs.pt", [(k, v) for k, v in state.items()], state)
+    many = {f"t{i}": tensor([i % 5, 2]) for i in range(300)}  # 300 records, 60 of them empty
+    save("many.pt", many, many)
+    torch.manual_seed(2**64 - 1)  # the largest seed; torch.seed() gives one >= 2**63 half the time
+    save("big_ints.pt", {"seed": torch.initial_seed(), "model": state, "big": 2**64,
+                         "negative": -2**70, "edge": 2**63, "just_below": 2**63 - 1,
+                         "nested": {2**65: [2**100, -2**63 - 1], "epoch": 3}})
+    manifest["big_ints.pt"] = {"key": "model", **{k: describe(v) for k, v in state.items()}}
+    torch.manual_seed(0)
     rezip(os.path.join(directory, "module.pt"), os.path.join(directory, "zip64_records.pt"),
           force_zip64=True)
     manifest["zip64_records.pt"] = manifest["module.pt"]
@@ -162,6 +199,7 @@ def files(directory):
                  "d": tensor([3], torch.float16)}, {"format": "pt", "note": "empty tensors"}),
             "empties_only.safetensors": ({"x": tensor([0]), "y": tensor([0, 5]), "z": tensor([3, 0, 2])}, None),
             "scalars.safetensors": ({"s": tensor([]), "e": tensor([0]), "t": tensor([], torch.int64)}, None),
+            "huge_empty.safetensors": ({"h": torch.empty(2**62, 0, 2**62), "b": tensor([2])}, None),
             "every_dtype.safetensors": (
                 {f"{code}_{kind}": tensor(shape, dtype) for dtype, code in SAFETENSORS.items()
                  for kind, shape in (("empty", [0]), ("full", [3, 2]), ("wide_empty", [2, 0, 2]))},
@@ -170,6 +208,7 @@ def files(directory):
         for name, (tensors, metadata) in safetensors.items():
             save_file(tensors, os.path.join(directory, name), metadata=metadata)
             manifest[name] = {k: describe(v) for k, v in tensors.items()}
+        manifest["safetensors_shapes"] = safetensors_shapes()
     with open(os.path.join(directory, "manifest.json"), "w") as out:
         json.dump(manifest, out)
 
@@ -192,6 +231,52 @@ class Tied(torch.nn.Module):
         x = self.embed(ids).reshape(-1, self.embed.embedding_dim)
         x = self.ln(torch.relu(self.norm(self.fc(x))))
         return self.head(self.proj(x))
+
+
+def without_num_batches_tracked(state, directory):
+    """State dicts without norm.num_batches_tracked, and what load_state_dict does with each
+    into a Tied() whose counter is 5: with no version for the BatchNorm (no _metadata: a plain
+    dict, safetensors) or version 1, _NormBase._load_from_state_dict puts the key in (torch >= 2.2
+    the module's own counter, older torch a 0) and all keys match; with version 2 (what
+    state_dict() records) the key is missing."""
+    key = "norm.num_batches_tracked"
+    versioned = collections.OrderedDict((k, v) for k, v in state.items() if k != key)
+    versioned._metadata = state._metadata  # as state_dict() records it: BatchNorm's version 2
+    assert versioned._metadata["norm"]["version"] == 2
+    version1 = collections.OrderedDict(versioned)
+    version1._metadata = collections.OrderedDict(state._metadata)
+    version1._metadata["norm"] = {"version": 1}
+    dicts = {"no_nbt_plain.pt": {k: v for k, v in versioned.items()},
+             "no_nbt_v2.pt": versioned, "no_nbt_v1.pt": version1}
+    for name, d in dicts.items():
+        torch.save(d, os.path.join(directory, name))
+    if save_file is not None:  # one name of the tied pair, as save_model keeps
+        plain = {k: v.clone() for k, v in versioned.items() if k != "head.weight"}
+        save_file(plain, os.path.join(directory, "no_nbt.safetensors"))
+        dicts["no_nbt.safetensors"] = plain
+    def load(model, name, strict):
+        if name.endswith(".safetensors"):  # load_model: the tied name it left out is no miss
+            return load_model(model, os.path.join(directory, name), strict=strict)
+        report = model.load_state_dict(dicts[name], strict=strict)
+        return report.missing_keys, report.unexpected_keys
+
+    verdicts = {}
+    for name in dicts:
+        model = Tied()
+        model.norm.num_batches_tracked.fill_(5)
+        try:
+            load(model, name, True)
+            strict = "loaded"
+        except RuntimeError as e:
+            strict = str(e).splitlines()[-1].strip()
+        model = Tied()
+        model.norm.num_batches_tracked.fill_(5)
+        missing, unexpected = load(model, name, False)
+        verdicts[name] = {"strict": strict, "missing_keys": sorted(missing),
+                          "unexpected_keys": sorted(unexpected),
+                          "num_batches_tracked": model.norm.num_batches_tracked.item(),
+                          "torch": torch.__version__}
+    return verdicts
 
 
 def trained(directory):
@@ -222,7 +307,8 @@ def trained(directory):
     manifest = {"state_dict_keys": list(state.keys()),
                 "missing_keys": list(report.missing_keys),
                 "unexpected_keys": list(report.unexpected_keys),
-                "loss": loss.item()}
+                "loss": loss.item(),
+                "batchnorm": without_num_batches_tracked(state, directory)}
     with open(os.path.join(directory, "manifest.json"), "w") as out:
         json.dump(manifest, out)
 

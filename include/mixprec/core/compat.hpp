@@ -125,6 +125,20 @@ inline std::string aten_cpu_capability() {
 #endif
 }
 
+// The sizes an autograd node recorded for one of its inputs (the shape of what its op made), or
+// none: LibTorch 1.13 keeps them private, and a nested tensor's are a tensor. (A template, so
+// that this header needs no autograd header.)
+template <class InputMetadata>
+std::optional<c10::SymIntArrayRef> recorded_sizes(const InputMetadata& metadata) {
+#if TORCH_VERSION_MAJOR >= 2
+  if (metadata.is_nested_tensor()) return std::nullopt;
+  return metadata.shape_as_dim_vector();
+#else
+  (void)metadata;
+  return std::nullopt;
+#endif
+}
+
 // ATen's fused Adam (adamw = false) or AdamW kernel over one batch of same-device tensors; a
 // no-op where fused_adam_available is false (callers check it first).
 struct FusedAdamBatch {

@@ -24,7 +24,9 @@
 #include <mixprec/distributed/buffers.hpp>
 #include <mixprec/distributed/collectives.hpp>
 #include <mixprec/distributed/gradient_reducer.hpp>
+#include <mixprec/distributed/held_params.hpp>
 #include <mixprec/distributed/sharded_checkpoint.hpp>
+#include <mixprec/distributed/sharded_build.hpp>
 #include <mixprec/distributed/sharded_optimizer.hpp>
 #include <mixprec/distributed/sharded_units.hpp>
 #include <mixprec/distributed/step_group.hpp>
@@ -66,6 +68,9 @@ class DataParallel final : public detail::StepGroup {
         units_(shards_),
         plan_(detail::plan_units(model, options_.shard_parameters())) {
     check_same_model(model);
+    // Parameters held in shards (a ShardedBuild's): the units' are laid out from their pieces
+    // by shard(), the others gathered whole now; rank 0's values reach every rank for the rest.
+    detail::take_held(comm_, model, plan_, held_);
     broadcast_from_rank0(model, /*parameters=*/true);
   }
 
@@ -115,7 +120,15 @@ class DataParallel final : public detail::StepGroup {
     MIXPREC_CHECK(units_.empty(), "DistributedOptions::shard_parameters: the units are laid "
                   "out once, when the Trainer is built; a later param group cannot join them");
     const auto ranges = shards_.shard(optimizer, fresh, copies, storage, &plan_.unit_of,
-                                      plan_.paths.size());
+                                      plan_.paths.size(), &held_.by_param());
+    // A held unit's parameter that the optimizer does not train stays whole, as a frozen one.
+    for (const auto& [p, shard] : held_.taken()) {
+      if (shards_.layout().find(p) == detail::BucketLayout::npos) {
+        at::NoGradGuard no_grad;
+        p.set_data(detail::gather_shard(*shard, p.sizes()).to(p.scalar_type()));
+      }
+    }
+    held_.consumed();
     units_.take(plan_, ranges);
   }
   detail::LeanMasters* lean_rounding() noexcept override { return shards_.lean_rounding(); }
@@ -221,6 +234,7 @@ class DataParallel final : public detail::StepGroup {
   detail::ShardedOptimizer shards_;
   detail::ShardedUnits units_;  // after shards_: its destructor reads the layout
   detail::UnitPlan plan_;
+  detail::TakenShards held_;  // the units' held parameters, until shard() lays them out
 };
 
 namespace detail {

@@ -8,13 +8,18 @@
 ///   trainer.load_weights("finetuned.pt");                  // later: masters and model together
 ///
 /// strict (the default) as PyTorch's strict=True: every parameter and buffer of the model has a
-/// key, and every key names one. A shape that differs, a value that changes kind (a float into
-/// an integer buffer) or does not fit the model's dtype (70000 into fp16), or two keys of one
-/// tied tensor with different values are Errors even with strict(false). One Error lists every
+/// key, and every key names one; a norm layer's num_batches_tracked may be absent where Python's
+/// BatchNorm fills it in (python_fills_num_batches_tracked). A shape that differs, a value that
+/// changes kind (a float into an integer buffer) or does not fit the model's dtype (70000 into
+/// fp16), or two keys of one tied tensor with different values are Errors even with
+/// strict(false). One Error lists every
 /// problem, and nothing is loaded unless all fit. Values are converted to each model tensor's
-/// dtype (PyTorch's copy_); a tied tensor (registered under two names) takes either key.
+/// dtype (PyTorch's copy_); a tied tensor (registered under two names) takes either key. A
+/// parameter held in shards (mixprec::ShardedBuild) keeps this rank's piece of its value, and a
+/// safetensors file loads into such a model one tensor at a time.
 
 #include <mixprec/core/error.hpp>
+#include <mixprec/core/held_shards.hpp>
 #include <mixprec/core/model_claim.hpp>
 #include <mixprec/core/tensor_set.hpp>
 #include <mixprec/io/byte_source.hpp>
@@ -28,9 +33,11 @@
 #include <torch/nn/module.h>
 
 #include <cstring>
+#include <memory>
 #include <map>
 #include <sstream>
 #include <string>
+#include <string_view>
 #include <unordered_map>
 #include <vector>
 
@@ -69,6 +76,7 @@ struct LoadTarget {
 struct LoadAssignment {
   std::string name;
   at::Tensor target, source, value;
+  std::vector<std::string> tied;  // the other keys of a tied target the state dict has
 };
 
 struct LoadPlan {
@@ -112,6 +120,32 @@ inline DtypeKind kind_of(at::ScalarType t) {
   if (at::isComplexType(t)) return DtypeKind::complex;
   if (at::isFloatingType(t)) return DtypeKind::floating;
   return DtypeKind::integral;
+}
+
+// Whether Python's load_state_dict takes `name`, a buffer of `module` that the state dict has no
+// key for, as present: _NormBase._load_from_state_dict (BatchNorm, InstanceNorm with running
+// statistics) puts its num_batches_tracked in when the state dict gives the module no version
+// or one below 2 (the version that added it): a plain dict or safetensors has none. torch >= 2.2
+// puts the module's own counter (pytorch#110850), so the buffer keeps its value; torch <= 2.1
+// put a 0. A module here is a norm layer by its buffers: running_mean, running_var and
+// num_batches_tracked, as LibTorch's BatchNorm and InstanceNorm, mixprec's wrappers of them and
+// a port of a Python _NormBase register them.
+inline bool python_fills_num_batches_tracked(const torch::nn::Module& module, const std::string& name,
+                                             const ModuleVersions& versions) {
+  static constexpr std::string_view kLeaf = "num_batches_tracked";
+  if (name.size() < kLeaf.size() || name.compare(name.size() - kLeaf.size(), kLeaf.size(), kLeaf) != 0) {
+    return false;
+  }
+  const auto prefix = name.substr(0, name.size() - kLeaf.size());  // "norm." or ""
+  if (!prefix.empty() && prefix.back() != '.') return false;
+  const auto buffers = module.named_buffers();
+  for (const auto* leaf : {"running_mean", "running_var", "num_batches_tracked"}) {
+    const auto* found = buffers.find(prefix + leaf);
+    if (found == nullptr || !found->defined()) return false;
+  }
+  const auto path = prefix.empty() ? prefix : prefix.substr(0, prefix.size() - 1);
+  const auto version = versions.find(path);
+  return version == versions.end() || version->second < 2;
 }
 
 inline bool same_bits(const at::Tensor& a, const at::Tensor& b) {
@@ -163,13 +197,15 @@ inline at::Tensor converted(const at::Tensor& source, at::ScalarType dtype, cons
   return value;
 }
 
-// Matches the state dict to the model's tensors: names, shapes, kinds of dtype and tied tensors.
-// The values are not converted yet (converted()), nothing is changed.
+// Matches the state dict to the model's tensors: names, shapes, kinds of dtype and tied tensors;
+// `versions`: its modules' (a torch.save'd state_dict()'s _metadata). The values are not
+// converted yet (converted()), nothing is changed.
 inline LoadPlan plan_load(const torch::nn::Module& model, const StateDict& weights,
-                          const LoadOptions& options) {
+                          const LoadOptions& options, const ModuleVersions& versions = {}) {
   LoadPlan plan;
   plan.into = options.submodule().empty() ? "the model" : "submodule '" + options.submodule() + "'";
-  const auto targets = load_targets(submodule_of(model, options.submodule()));
+  const auto& into = submodule_of(model, options.submodule());
+  const auto targets = load_targets(into);
   std::unordered_map<std::string, std::size_t> target_of;
   for (std::size_t i = 0; i < targets.size(); ++i) {
     for (const auto& name : targets[i].names) target_of.emplace(name, i);
@@ -183,13 +219,17 @@ inline LoadPlan plan_load(const torch::nn::Module& model, const StateDict& weigh
       if (weights.contains(name)) present.push_back(name);
     }
     if (present.empty()) {
-      for (const auto& name : target.names) plan.report.missing_keys.push_back(name);
+      // Python puts these in before matching: present, and loaded into themselves (unchanged).
+      for (const auto& name : target.names) {
+        if (!python_fills_num_batches_tracked(into, name, versions)) plan.report.missing_keys.push_back(name);
+      }
       continue;
     }
     const auto& name = present.front();
     const auto& source = weights[name];
     for (std::size_t i = 1; i < present.size(); ++i) {
-      if (!same_bits(weights[present[i]], source)) {
+      // A file read tensor by tensor compares them as it reads them (load_streamed).
+      if (!source.is_meta() && !same_bits(weights[present[i]], source)) {
         plan.problems.push_back("'" + name + "' and '" + present[i] + "' name one tied tensor "
                                 "of the model but hold different values");
       }
@@ -210,7 +250,8 @@ inline LoadPlan plan_load(const torch::nn::Module& model, const StateDict& weigh
       plan.problems.push_back(problem.str());
       continue;
     }
-    plan.assignments.push_back({name, target.tensor, source, at::Tensor()});
+    plan.assignments.push_back({name, target.tensor, source, at::Tensor(),
+                                std::vector<std::string>(present.begin() + 1, present.end())});
   }
   return plan;
 }
@@ -256,7 +297,68 @@ inline void convert_all(LoadPlan& plan, const LoadOptions& options, const std::s
 
 inline void copy_values(const std::vector<LoadAssignment>& assignments) {
   at::NoGradGuard no_grad;
-  for (const auto& a : assignments) a.target.copy_(a.value);
+  for (const auto& a : assignments) {
+    // Held in shards (mixprec::ShardedBuild): this rank keeps its piece of the value.
+    if (const auto shard = HeldShards::find(a.target); shard && !shard->whole) {
+      assign_held(*shard, a.value);
+      continue;
+    }
+    a.target.copy_(a.value);
+  }
+}
+
+// Whether a tensor of `module` is held in shards.
+inline bool holds_any(const torch::nn::Module& module) {
+  for (const auto& p : module.parameters()) {
+    if (HeldShards::is_placeholder(p) && HeldShards::find(p)) return true;
+  }
+  return false;
+}
+
+// load_weights of a safetensors file into a model that holds parameters in shards, one tensor
+// in memory at a time: planned from the header's names, shapes and dtypes; then each tensor
+// read, compared with its tied keys, converted and checked, a held target keeping only this
+// rank's piece of it; then, if everything fits, each target takes its value.
+inline LoadReport load_streamed(torch::nn::Module& model, const ByteSource& source,
+                                const LoadOptions& options) {
+  const auto index = index_safetensors(source);
+  StateDict meta;
+  std::unordered_map<std::string, const SafetensorsEntry*> entry_of;
+  for (const auto& e : index.entries) {
+    meta.insert(e.name, at::empty(e.shape, at::TensorOptions(e.dtype).device(at::kMeta)));
+    entry_of.emplace(e.name, &e);
+  }
+  auto plan = plan_load(model, meta, options);
+  check_plan(plan, options, "'" + source.name() + "'");  // names, shapes, kinds: before reading
+  const auto read = [&](const std::string& name) {
+    return read_safetensors_entry(source, index, *entry_of.at(name));
+  };
+  std::vector<std::pair<std::shared_ptr<HeldShard>, HeldShard>> pieces;
+  for (auto& a : plan.assignments) {
+    const auto value = read(a.name);
+    for (const auto& other : a.tied) {
+      if (!same_bits(read(other), value)) {
+        plan.problems.push_back("'" + a.name + "' and '" + other + "' name one tied tensor of "
+                                "the model but hold different values");
+      }
+    }
+    auto converted_value = converted(value, a.target.scalar_type(), a.name, plan.into.c_str(),
+                                     plan.problems);
+    if (const auto shard = HeldShards::find(a.target); shard && !shard->whole) {
+      HeldShard piece = *shard;
+      assign_held(piece, converted_value);  // the whole value goes with this iteration
+      pieces.emplace_back(shard, std::move(piece));
+    } else {
+      a.value = std::move(converted_value);
+    }
+  }
+  check_plan(plan, options, "'" + source.name() + "'");
+  at::NoGradGuard no_grad;
+  for (auto& [shard, piece] : pieces) *shard = std::move(piece);
+  for (const auto& a : plan.assignments) {
+    if (a.value.defined()) a.target.copy_(a.value);
+  }
+  return std::move(plan.report);
 }
 
 // Loading into a model a live Trainer trains: its masters would overwrite the weights at the
@@ -271,8 +373,9 @@ inline void check_unclaimed(const torch::nn::Module& model, const LoadOptions& o
                 "overwritten at the next step); nothing was loaded");
 }
 
-inline StateDict read_state_dict(const ByteSource& source, const std::string& key) {
-  if (looks_like_zip(source)) return read_torch_save(source, key);  // refuses checkpoints too
+// A file that is no zip archive: an Error unless it looks like safetensors, which `key` cannot
+// pick an entry of.
+inline void check_safetensors_source(const ByteSource& source, const std::string& key) {
   refuse_known_foreign(source);
   unsigned char start[9] = {};
   if (source.size() >= 9) source.read(0, start, 9);
@@ -281,7 +384,17 @@ inline StateDict read_state_dict(const ByteSource& source, const std::string& ke
                 "safetensors file (a header length, then '{')");
   MIXPREC_CHECK(key.empty(), "LoadOptions::key ('", key, "') picks an entry of a torch.save'd "
                 "dict; '", source.name(), "' is a safetensors file, which holds one state dict");
-  return read_safetensors(source);
+}
+
+inline WeightsFile read_weights(const ByteSource& source, const std::string& key) {
+  if (looks_like_zip(source)) return read_torch_save(source, key);  // refuses checkpoints too
+  check_safetensors_source(source, key);
+  return {read_safetensors(source), {}};
+}
+
+/// The tensors of the file at `path` and its modules' versions (read_state_dict).
+inline WeightsFile read_weights(const std::string& path, const std::string& key) {
+  return read_weights(FileSource(path), key);
 }
 
 }  // namespace detail
@@ -289,7 +402,7 @@ inline StateDict read_state_dict(const ByteSource& source, const std::string& ke
 /// The state dict in the file at `path`, by its contents: torch.save's zip archive
 /// (read_torch_save, with `key`) or safetensors (read_safetensors).
 inline StateDict read_state_dict(const std::string& path, const std::string& key = "") {
-  return detail::read_state_dict(detail::FileSource(path), key);
+  return detail::read_weights(detail::FileSource(path), key).tensors;
 }
 
 /// Copies `weights` into `model`'s parameters and buffers of the same names (PyTorch's
@@ -305,12 +418,23 @@ inline LoadReport load_state_dict(torch::nn::Module& model, const StateDict& wei
   return std::move(plan.report);
 }
 
-/// load_state_dict of the file at `path`: torch.save's or safetensors (read_state_dict).
+/// load_state_dict of the file at `path`: torch.save's or safetensors (read_state_dict), with
+/// the modules' versions a torch.save'd state_dict() records, as Python's load_state_dict reads
+/// them (a BatchNorm of version 2 must have its num_batches_tracked).
 inline LoadReport load_weights(torch::nn::Module& model, const std::string& path,
                                const LoadOptions& options = {}) {
   detail::check_unclaimed(model, options);
-  const auto weights = read_state_dict(path, options.key());
-  auto plan = detail::plan_load(model, weights, options);
+  // Parameters held in shards (mixprec::ShardedBuild): a safetensors file streams into them,
+  // a tensor at a time; a torch.save file's pickle is read whole, as below.
+  if (detail::holds_any(detail::submodule_of(model, options.submodule()))) {
+    const detail::FileSource source(path);
+    if (!detail::looks_like_zip(source)) {
+      detail::check_safetensors_source(source, options.key());
+      return detail::load_streamed(model, source, options);
+    }
+  }
+  const auto file = detail::read_weights(path, options.key());
+  auto plan = detail::plan_load(model, file.tensors, options, file.versions);
   detail::convert_all(plan, options, "'" + path + "'");
   detail::copy_values(plan.assignments);
   return std::move(plan.report);

@@ -66,6 +66,34 @@ inline void check_unique_keys(const Json& object, const std::string& source, con
   }
 }
 
+// A shape with a 0 needs no byte, but its other sizes still have to be counted: Python refuses
+// the shapes whose count overflows before the 0 comes (safetensors multiplies the sizes in
+// order, in 64 bits: [2^62, 2^62, 0]) or whose contiguous strides overflow (torch computes
+// stride i as the product of the later sizes, a 0 counted as 1, in an int64: [0, 2^62, 2^62]),
+// and LibTorch's at::empty throws c10::Error on either. ([2^62, 0, 2^62] reads, as in Python.)
+inline void check_empty_shape(const std::vector<std::int64_t>& shape, const std::string& name,
+                              const std::string& source) {
+  constexpr auto kMax = static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max());
+  std::uint64_t count = 1;
+  for (const auto n : shape) {
+    const auto size = static_cast<std::uint64_t>(n);
+    MIXPREC_CHECK(size == 0 || count <= std::numeric_limits<std::uint64_t>::max() / size,
+                  "safetensors: tensor '", name, "' of '", source, "' has shape ",
+                  at::IntArrayRef(shape), ", whose sizes multiply past 64 bits before its 0 (the "
+                  "format's own reader refuses it too): a damaged file");
+    count *= size;
+  }
+  std::uint64_t stride = 1;
+  for (std::size_t i = shape.size(); i-- > 1;) {
+    const auto size = std::max<std::uint64_t>(static_cast<std::uint64_t>(shape[i]), 1);
+    MIXPREC_CHECK(stride <= kMax / size, "safetensors: tensor '", name, "' of '", source,
+                  "' has shape ", at::IntArrayRef(shape), ", whose strides (the products of the "
+                  "later sizes) pass an int64: LibTorch cannot lay it out, even empty (nor can "
+                  "Python's torch): a damaged file");
+    stride *= size;
+  }
+}
+
 struct SafetensorsEntry {
   std::string name;
   at::ScalarType dtype;
@@ -100,7 +128,10 @@ inline SafetensorsEntry safetensors_entry(const std::string& name, const Json& v
         "a LibTorch size holds")));
   }
   std::uint64_t elements = 1;
-  if (std::find(entry.shape.begin(), entry.shape.end(), 0) != entry.shape.end()) elements = 0;
+  if (std::find(entry.shape.begin(), entry.shape.end(), 0) != entry.shape.end()) {
+    check_empty_shape(entry.shape, name, source);
+    elements = 0;
+  }
   for (const auto n : entry.shape) {
     if (elements == 0) break;
     const auto count = static_cast<std::uint64_t>(n);
@@ -148,8 +179,14 @@ inline void check_tiling(std::vector<SafetensorsEntry> entries, std::uint64_t da
                 " bytes after its last tensor");
 }
 
-/// The tensors of the safetensors bytes of `source`, in the header's order.
-inline StateDict read_safetensors(const ByteSource& source) {
+/// A safetensors file's tensors, checked, without their data (read_safetensors_entry reads
+/// one): a model held in shards loads tensor by tensor.
+struct SafetensorsIndex {
+  std::vector<SafetensorsEntry> entries;  // in the header's order
+  std::uint64_t data_start = 0;
+};
+
+inline SafetensorsIndex index_safetensors(const ByteSource& source) {
   const auto& name = source.name();
   MIXPREC_CHECK(source.size() >= 8, "safetensors: '", name, "' has ", source.size(), " bytes, "
                 "fewer than the 8 of its header length: not a safetensors file, or truncated");
@@ -167,9 +204,9 @@ inline StateDict read_safetensors(const ByteSource& source) {
   MIXPREC_CHECK(header.is_object(), "safetensors: the header of '", name,
                 "' is not a JSON object");
   check_unique_keys(header, name, nullptr);
-  const std::uint64_t data_start = 8 + header_size;
-  const std::uint64_t data_size = source.size() - data_start;
-  std::vector<SafetensorsEntry> entries;
+  SafetensorsIndex index;
+  index.data_start = 8 + header_size;
+  const std::uint64_t data_size = source.size() - index.data_start;
   for (const auto& [key, value] : header.members) {
     if (key == "__metadata__") {
       MIXPREC_CHECK(value.is_object() &&
@@ -180,19 +217,31 @@ inline StateDict read_safetensors(const ByteSource& source) {
       check_unique_keys(value, name, "__metadata__");
       continue;
     }
-    entries.push_back(safetensors_entry(key, value, data_size, name));
+    index.entries.push_back(safetensors_entry(key, value, data_size, name));
   }
-  check_tiling(entries, data_size, name);
+  check_tiling(index.entries, data_size, name);
+  return index;
+}
+
+/// One tensor of an indexed safetensors file.
+inline at::Tensor read_safetensors_entry(const ByteSource& source, const SafetensorsIndex& index,
+                                         const SafetensorsEntry& entry) {
+  auto t = at::empty(entry.shape, at::TensorOptions(entry.dtype));
+  const auto bytes = entry.end - entry.begin;
+  source.read(index.data_start + entry.begin, t.data_ptr(), bytes);
+  if (entry.dtype == at::kBool) {
+    check_bool_bytes(t.data_ptr(), static_cast<std::size_t>(bytes),
+                     "safetensors: tensor '" + entry.name + "' of '" + source.name() + "'");
+  }
+  return t;
+}
+
+/// The tensors of the safetensors bytes of `source`, in the header's order.
+inline StateDict read_safetensors(const ByteSource& source) {
+  const auto index = index_safetensors(source);
   StateDict tensors;
-  for (const auto& entry : entries) {
-    auto t = at::empty(entry.shape, at::TensorOptions(entry.dtype));
-    const auto bytes = entry.end - entry.begin;
-    source.read(data_start + entry.begin, t.data_ptr(), bytes);
-    if (entry.dtype == at::kBool) {
-      check_bool_bytes(t.data_ptr(), static_cast<std::size_t>(bytes),
-                       "safetensors: tensor '" + entry.name + "' of '" + name + "'");
-    }
-    tensors.insert(entry.name, std::move(t));
+  for (const auto& entry : index.entries) {
+    tensors.insert(entry.name, read_safetensors_entry(source, index, entry));
   }
   return tensors;
 }

@@ -10,6 +10,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <map>
 #include <string>
 #include <string_view>
 
@@ -20,6 +21,17 @@ namespace mixprec {
 using StateDict = torch::OrderedDict<std::string, at::Tensor>;
 
 namespace detail {
+
+// The version each module of a state dict was saved at, by module path ("" the root): Python's
+// state_dict()._metadata, which a module's _load_from_state_dict reads (BatchNorm's version 2
+// added num_batches_tracked). Only torch.save'd state_dict()s carry it.
+using ModuleVersions = std::map<std::string, std::int64_t>;
+
+// What a weights file holds: its tensors, and its modules' versions where it has them.
+struct WeightsFile {
+  StateDict tensors;
+  ModuleVersions versions;
+};
 
 // The dtype that `name` means in one column of file_dtypes() (FileDtype::torch, ::safetensors
 // or ::storage); an Error that names `what` where it is unknown, or this LibTorch lacks it.

@@ -5,8 +5,10 @@
 /// without a storage class of their own, fp8 and uint16-64, as bytes with _rebuild_tensor_v3).
 /// Tensors are rebuilt as torch.load rebuilds them, views of shared storages included (tied
 /// weights stay one storage); every offset, size and stride is checked against its storage
-/// first. Any other pickled object (a whole nn.Module, argparse.Namespace, a tensor subclass) is
-/// an Error, as under torch.load(weights_only=True).
+/// first. Ints beyond 64 bits read anywhere ({"seed": torch.seed(), "model": ...}); only a
+/// size, stride, offset or storage length must fit an int64. Any other pickled object (a whole
+/// nn.Module, argparse.Namespace, a tensor subclass) is an Error, as under
+/// torch.load(weights_only=True).
 
 #include <mixprec/core/error.hpp>
 #include <mixprec/io/byte_source.hpp>
@@ -100,7 +102,7 @@ class TorchSaveObjects final : public PickleObjects {
   }
 
   void build(const PickleValue& object, const PickleValue& state) override {
-    // An OrderedDict's attributes: state_dict()'s _metadata (module versions), not needed here.
+    // An OrderedDict's attributes: state_dict()'s _metadata (module versions, versions_of).
     check(object.kind == PickleValue::Kind::dict && state.kind == PickleValue::Kind::dict,
           std::string("BUILD of ") + object.describe() + " with " + state.describe());
   }
@@ -110,9 +112,12 @@ class TorchSaveObjects final : public PickleObjects {
     check(pid.kind == PickleValue::Kind::tuple && p.size() == 5 &&
               p[0]->kind == PickleValue::Kind::string && p[0]->text == "storage" &&
               p[1]->kind == PickleValue::Kind::global && p[2]->kind == PickleValue::Kind::string &&
-              p[3]->kind == PickleValue::Kind::string && p[4]->kind == PickleValue::Kind::integer &&
-              p[4]->integer >= 0,
+              p[3]->kind == PickleValue::Kind::string &&
+              (p[4]->kind == PickleValue::Kind::integer || p[4]->kind == PickleValue::Kind::big_integer),
           "a persistent id other than ('storage', type, key, location, size)");
+    MIXPREC_CHECK(p[4]->kind == PickleValue::Kind::integer && p[4]->integer >= 0, "'", source_,
+                  "': storage '", p[2]->text, "' has a size of ", p[4]->int_text(), " elements, "
+                  "not an int in [0, 2^63): a damaged file");
     const auto& type = p[1]->text;
     const bool bytes = untyped(type);
     const auto dtype = bytes ? at::ScalarType::Undefined
@@ -172,8 +177,10 @@ class TorchSaveObjects final : public PickleObjects {
   }
 
   static std::int64_t checked_int(const PickleValue& v, const char* what, const std::string& source) {
+    const bool is_int = v.kind == PickleValue::Kind::integer || v.kind == PickleValue::Kind::big_integer;
     MIXPREC_CHECK(v.kind == PickleValue::Kind::integer && v.integer >= 0, "'", source, "': a "
-                  "tensor's ", what, " is not an int >= 0: a damaged file");
+                  "tensor's ", what, " is ", is_int ? v.int_text() : std::string(v.describe()),
+                  ", not an int in [0, 2^63): a damaged file");
     return v.integer;
   }
 
@@ -193,22 +200,29 @@ class TorchSaveObjects final : public PickleObjects {
     const std::int64_t elements = storage.tensor.numel() / element;
     const auto start = checked_int(offset, "storage offset", source_);
     std::vector<std::int64_t> size, stride;
-    std::int64_t numel = 1, last = start;
     constexpr auto kMax = std::numeric_limits<std::int64_t>::max();
+    // The element count as LibTorch's TensorImpl counts it (torch.load too): the sizes multiplied
+    // in order in 64 unsigned bits, where an overflow counts even if a 0 comes after it
+    // ([2^62, 4, 0] is refused, [2^62, 3, 0] and [0, 2^62, 2^62] read), and the count must fit
+    // an int64. Refused here, it is an Error rather than LibTorch's c10::Error.
+    std::uint64_t count = 1;
     bool overflow = false;
     for (std::size_t i = 0; i < sizes.items.size(); ++i) {
       size.push_back(checked_int(*sizes.items[i], "size", source_));
       stride.push_back(checked_int(*strides.items[i], "stride", source_));
-      if (size.back() == 0) numel = 0;
-      if (numel == 0) continue;
-      if (size.back() > kMax / numel) {
-        overflow = true;  // not multiplied: that would overflow an int64 (UBSan's find)
+      const auto n = static_cast<std::uint64_t>(size.back());
+      if (n != 0 && count > std::numeric_limits<std::uint64_t>::max() / n) {
+        overflow = true;  // not multiplied: that would wrap (UBSan's find)
       } else {
-        numel *= size.back();
+        count *= n;
       }
     }
-    MIXPREC_CHECK(!overflow, "'", source_, "': a tensor of ", size.size(), " sizes has more "
-                  "elements than an int64 counts: a damaged file");
+    MIXPREC_CHECK(!overflow && count <= static_cast<std::uint64_t>(kMax), "'", source_, "': a "
+                  "tensor of sizes ", at::IntArrayRef(size), " has more elements than LibTorch "
+                  "counts (the sizes multiplied in order pass 64 bits, even before a 0): a damaged "
+                  "file");
+    const auto numel = static_cast<std::int64_t>(count);
+    std::int64_t last = start;
     for (std::size_t i = 0; numel > 0 && i < size.size(); ++i) {
       const auto reach = size[i] - 1;
       MIXPREC_CHECK(stride[i] == 0 || reach <= (kMax - last) / stride[i], "'", source_,
@@ -262,8 +276,7 @@ inline StateDict tensors_of(const PickleValue& dict, const std::string& source, 
   StateDict result;
   std::vector<std::string> others, dicts;
   for (const auto& [k, v] : dict.entries) {
-    const auto name = k->kind == PickleValue::Kind::string ? "'" + k->text + "'"
-                                                           : std::to_string(k->integer);
+    const auto name = k->kind == PickleValue::Kind::string ? "'" + k->text + "'" : k->int_text();
     if (k->kind == PickleValue::Kind::string && v->kind == PickleValue::Kind::tensor) {
       result.insert(k->text, v->tensor);
       continue;
@@ -285,11 +298,37 @@ inline StateDict tensors_of(const PickleValue& dict, const std::string& source, 
   return result;
 }
 
+// The version each module saved its tensors at, from a state_dict()'s _metadata ({module path:
+// {"version": n, ...}}, what Python's _load_from_state_dict reads): none for a plain dict, and
+// none for a module it does not name or an entry without an int "version" (Python's None).
+inline ModuleVersions versions_of(const PickleValue& dict) {
+  ModuleVersions versions;
+  const auto is = [](const PickleRef& v, PickleValue::Kind kind) { return v->kind == kind; };
+  if (!dict.state) return versions;
+  for (const auto& [attribute, metadata] : dict.state->entries) {
+    if (!is(attribute, PickleValue::Kind::string) || attribute->text != "_metadata" ||
+        !is(metadata, PickleValue::Kind::dict)) {
+      continue;
+    }
+    for (const auto& [path, local] : metadata->entries) {
+      if (!is(path, PickleValue::Kind::string) || !is(local, PickleValue::Kind::dict)) continue;
+      for (const auto& [name, value] : local->entries) {
+        if (is(name, PickleValue::Kind::string) && name->text == "version" &&
+            is(value, PickleValue::Kind::integer)) {
+          versions[path->text] = value->integer;
+        }
+      }
+    }
+  }
+  return versions;
+}
+
 /// The state dict a torch.save file holds: the saved dict of tensors itself (state_dict()'s
 /// OrderedDict, or a dict), the one under `key` of a saved dict ({"model": ..., "epoch": ...}),
-/// or a list or tuple of (name, tensor) pairs (Trainer::save_fp32's WeightsFormat::pickle).
-inline StateDict state_dict_of(const PickleValue& root, const std::string& source,
-                               const std::string& key) {
+/// or a list or tuple of (name, tensor) pairs (Trainer::save_fp32's WeightsFormat::pickle);
+/// with its modules' versions where it is a state_dict() (the pairs have none).
+inline WeightsFile state_dict_of(const PickleValue& root, const std::string& source,
+                                 const std::string& key) {
   const PickleValue* value = &root;
   if (!key.empty()) {
     MIXPREC_CHECK(root.kind == PickleValue::Kind::dict, "'", source, "' holds ", root.describe(),
@@ -302,7 +341,7 @@ inline StateDict state_dict_of(const PickleValue& root, const std::string& sourc
     }
     MIXPREC_CHECK(value != nullptr, "'", source, "' has no entry '", key, "'; its keys: ", keys);
   }
-  if (value->kind == PickleValue::Kind::dict) return tensors_of(*value, source, key);
+  if (value->kind == PickleValue::Kind::dict) return {tensors_of(*value, source, key), versions_of(*value)};
   if (value->kind == PickleValue::Kind::list || value->kind == PickleValue::Kind::tuple) {
     StateDict result;
     for (const auto& pair : value->items) {
@@ -316,7 +355,7 @@ inline StateDict state_dict_of(const PickleValue& root, const std::string& sourc
       MIXPREC_CHECK(!result.contains(name), "'", source, "' names tensor '", name, "' twice");
       result.insert(name, pair->items[1]->tensor);
     }
-    return result;
+    return {std::move(result), {}};
   }
   fail("'", source, "'", key.empty() ? "" : " under key '" + key + "'", " holds ",
        value->describe(), ", not a state dict (a dict of tensors by name)");
@@ -349,7 +388,7 @@ inline void refuse_known_foreign(const ByteSource& source) {
   }
 }
 
-inline StateDict read_torch_save(const ByteSource& source, const std::string& key) {
+inline WeightsFile read_torch_save(const ByteSource& source, const std::string& key) {
   // First: a Trainer checkpoint is a zip archive too (LibTorch's), with mixprec's trailer.
   refuse_known_foreign(source);
   if (!looks_like_zip(source)) {
@@ -364,14 +403,14 @@ inline StateDict read_torch_save(const ByteSource& source, const std::string& ke
 /// The state dict of a torch.save file held in memory (see read_torch_save); `source` names it.
 inline StateDict parse_torch_save(const void* bytes, std::size_t size, const std::string& source,
                                   const std::string& key = "") {
-  return detail::read_torch_save(detail::MemorySource(bytes, size, source), key);
+  return detail::read_torch_save(detail::MemorySource(bytes, size, source), key).tensors;
 }
 
 /// The state dict of Python's `torch.save(model.state_dict(), path)` (torch 1.6 to 2.x), tensors
 /// in the file's order and dtypes, as torch.load gives them (on the CPU). `key`: the entry of a
 /// saved dict that holds it, for `torch.save({"model": model.state_dict(), "epoch": 3}, path)`.
 inline StateDict read_torch_save(const std::string& path, const std::string& key = "") {
-  return detail::read_torch_save(detail::FileSource(path), key);
+  return detail::read_torch_save(detail::FileSource(path), key).tensors;
 }
 
 }  // namespace mixprec

@@ -1,10 +1,10 @@
 #pragma once
 // A strict reader of the pickles torch.save writes (protocol 2, and the few opcodes of protocols
-// 3-4 that `pickle_protocol=4` adds): MARK, the tuple, list and dict opcodes, ints, floats,
-// strings, None and bools, the memo, GLOBAL/STACK_GLOBAL, REDUCE, BUILD and BINPERSID. What a
-// global, a REDUCE, a BUILD or a persistent id means is the caller's (PickleObjects): torch.save's
-// reader allows a handful of globals and refuses every other, as torch.load(weights_only=True)
-// does, so no Python class is ever "constructed".
+// 3-4 that `pickle_protocol=4` adds): MARK, the tuple, list and dict opcodes, ints (of any
+// size, as Python's), floats, strings, None and bools, the memo, GLOBAL/STACK_GLOBAL, REDUCE,
+// BUILD and BINPERSID. What a global, a REDUCE, a BUILD or a persistent id means is the
+// caller's (PickleObjects): torch.save's reader allows a handful of globals and refuses every
+// other, as torch.load(weights_only=True) does, so no Python class is ever "constructed".
 //
 // LibTorch's own unpickler cannot read these files: it maps collections.OrderedDict, the type of
 // every state_dict(), to None. This one is written for hostile bytes: every length is checked
@@ -35,18 +35,22 @@ using PickleRef = std::shared_ptr<PickleValue>;
 
 /// One value of an unpickled object graph.
 struct PickleValue {
-  enum class Kind { none, boolean, integer, real, string, tuple, list, dict, tensor, global, storage };
+  enum class Kind {
+    none, boolean, integer, big_integer, real, string, tuple, list, dict, tensor, global, storage
+  };
   Kind kind = Kind::none;
   bool boolean = false;
   bool nested = false;  // placed inside another value: frozen from then on
   int depth = 1;        // 1 + the depth of its deepest item
   std::int64_t integer = 0;
   double real = 0;
-  std::string text;                                  // a string; a global's "module.name"
+  // A string; a global's "module.name"; a big_integer's two's-complement little-endian bytes,
+  // in the shortest form (one value, one text).
+  std::string text;
   std::vector<PickleRef> items;                      // a tuple's or a list's
   std::vector<std::pair<PickleRef, PickleRef>> entries;  // a dict's, in order
-  std::unique_ptr<std::set<std::string>> string_keys;   // a dict's, to refuse repeats
-  std::unique_ptr<std::set<std::int64_t>> int_keys;
+  std::unique_ptr<std::set<std::string>> keys;       // a dict's (kind-tagged), to refuse repeats
+  PickleRef state;  // what BUILD gave a dict: an OrderedDict's attributes (state_dict()'s _metadata)
   at::Tensor tensor;  // a tensor; a storage's bytes (kByte)
   at::ScalarType dtype = at::ScalarType::Undefined;  // a typed storage's dtype
 
@@ -62,6 +66,7 @@ struct PickleValue {
       case Kind::none: return "None";
       case Kind::boolean: return "a bool";
       case Kind::integer: return "an int";
+      case Kind::big_integer: return "an int beyond 64 bits";
       case Kind::real: return "a float";
       case Kind::string: return "a string";
       case Kind::tuple: return "a tuple";
@@ -74,10 +79,39 @@ struct PickleValue {
     return "a value";
   }
   const char* describe() const { return describe(kind); }
+
+  /// An int's value in decimal, as Python prints it (a big_integer's of up to 64 bytes).
+  std::string int_text() const {
+    if (kind == Kind::integer) return std::to_string(integer);
+    if (text.size() > 64) return "an int of " + std::to_string(text.size()) + " bytes";
+    // The magnitude, most significant byte first, divided by 10 until nothing is left.
+    const bool negative = (static_cast<unsigned char>(text.back()) & 0x80U) != 0;
+    std::vector<unsigned> magnitude(text.rbegin(), text.rend());
+    for (auto& b : magnitude) b = (negative ? ~b : b) & 0xFFU;
+    if (negative) {  // two's complement: the magnitude is ~v + 1
+      for (auto it = magnitude.rbegin(); it != magnitude.rend(); ++it) {
+        *it = (*it + 1) & 0xFFU;
+        if (*it != 0) break;
+      }
+    }
+    std::string digits;
+    while (std::any_of(magnitude.begin(), magnitude.end(), [](unsigned b) { return b != 0; })) {
+      unsigned rest = 0;
+      for (auto& b : magnitude) {
+        const unsigned value = rest * 256 + b;
+        b = value / 10;
+        rest = value % 10;
+      }
+      digits += static_cast<char>('0' + rest);
+    }
+    if (negative) digits += '-';
+    return std::string(digits.rbegin(), digits.rend());
+  }
 };
 
 /// What the globals, REDUCE, BUILD and persistent ids of a pickle mean; each throws
-/// mixprec::Error for what it does not accept.
+/// mixprec::Error for what it does not accept. A BUILD that build() accepts keeps its state in
+/// the object's `state`.
 class PickleObjects {
  public:
   virtual ~PickleObjects() = default;
@@ -176,18 +210,21 @@ class Unpickler {
   }
 
   void set_item(PickleValue& dict, const PickleRef& key, const PickleRef& value) const {
+    // Each key once, in its kind: a string's text, an int's 8 bytes, a big int's shortest form.
+    std::string tagged;
     if (key->kind == PickleValue::Kind::string) {
-      if (!dict.string_keys) dict.string_keys = std::make_unique<std::set<std::string>>();
-      if (!dict.string_keys->insert(key->text).second) {
-        malformed("a dict gets the key '" + key->text + "' twice");
-      }
+      tagged = "s" + key->text;
     } else if (key->kind == PickleValue::Kind::integer) {
-      if (!dict.int_keys) dict.int_keys = std::make_unique<std::set<std::int64_t>>();
-      if (!dict.int_keys->insert(key->integer).second) {
-        malformed("a dict gets the key " + std::to_string(key->integer) + " twice");
-      }
+      tagged = "i" + std::string(reinterpret_cast<const char*>(&key->integer), sizeof key->integer);
+    } else if (key->kind == PickleValue::Kind::big_integer) {
+      tagged = "b" + key->text;
     } else {
       malformed(std::string("a dict key that is ") + key->describe() + " (strings and ints are read)");
+    }
+    if (!dict.keys) dict.keys = std::make_unique<std::set<std::string>>();
+    if (!dict.keys->insert(std::move(tagged)).second) {
+      malformed("a dict gets the key " + (key->kind == PickleValue::Kind::string
+                                              ? "'" + key->text + "'" : key->int_text()) + " twice");
     }
     adopt(dict, key);
     adopt(dict, value);
@@ -214,11 +251,22 @@ class Unpickler {
     stack_.push_back(objects_.global(module, name));
   }
 
-  // A two's-complement little-endian integer of n <= 8 bytes (LONG1, LONG4).
+  // A two's-complement little-endian integer of n bytes (LONG1, LONG4): Python's ints have no
+  // bound (torch.seed() is >= 2^63 half the time, and pickles as 9 bytes). An int64 where it
+  // fits, else a big_integer, which only a value that must be an int64 refuses.
   void push_long(std::uint64_t n) {
-    if (n > 8) malformed("an integer of " + std::to_string(n) + " bytes, beyond 64 bits");
     if (n == 0) return push_int(0);
-    auto v = unsigned_le(static_cast<int>(n));
+    const auto* p = take(n);
+    // The shortest form: high bytes that only repeat the sign go (a writer may pad).
+    while (n > 1 && ((p[n - 1] == 0x00 && p[n - 2] < 0x80) || (p[n - 1] == 0xFF && p[n - 2] >= 0x80))) --n;
+    if (n > 8) {
+      auto value = PickleValue::make(PickleValue::Kind::big_integer);
+      value->text.assign(reinterpret_cast<const char*>(p), static_cast<std::size_t>(n));
+      stack_.push_back(std::move(value));
+      return;
+    }
+    std::uint64_t v = 0;
+    for (auto i = n; i-- > 0;) v = (v << 8) | p[i];
     if (n < 8 && (v >> (8 * n - 1)) != 0) v |= ~std::uint64_t{0} << (8 * n);  // sign-extend
     push_int(static_cast<std::int64_t>(v));
   }
@@ -356,9 +404,14 @@ class Unpickler {
           stack_.push_back(objects_.reduce(*callable, *args));
           break;
         }
-        case 'b': {  // BUILD
+        case 'b': {  // BUILD: kept as the object's state, which freezes it as a container does
           const auto state = pop();
-          objects_.build(*top(), *state);
+          auto& object = *top();
+          if (object.nested) malformed("BUILD changes a value already inside another");
+          if (object.state) malformed("a second BUILD of one value");
+          objects_.build(object, *state);
+          adopt(object, state);
+          object.state = state;
           break;
         }
         case 'Q': {  // BINPERSID

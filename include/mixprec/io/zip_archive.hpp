@@ -1,9 +1,10 @@
 #pragma once
 // The zip container of torch.save files: records stored uncompressed (PyTorch's writer aligns
 // each to 64 bytes), found through the central directory, zip64 where a file or offset needs
-// it. Every offset and size is checked against the file before it is used, and each record is
-// checked against its CRC-32 as it is read (LibTorch's own reader checks none: a flipped bit in
-// a weight would load as a wrong number).
+// it. Every offset and size is checked against the file before it is used, records may not
+// overlap (what they hold adds up to no more than the file), and each record is checked against
+// its CRC-32 as it is read (LibTorch's own reader checks none: a flipped bit in a weight would
+// load as a wrong number).
 
 #include <mixprec/core/error.hpp>
 #include <mixprec/io/byte_source.hpp>
@@ -20,6 +21,7 @@ class ZipArchive {
  public:
   struct Record {
     std::string name;
+    std::uint64_t header = 0;  // of its local header, in the file
     std::uint64_t offset = 0;  // of its data, in the file
     std::uint64_t size = 0;
     std::uint32_t crc = 0;
@@ -157,6 +159,7 @@ class ZipArchive {
       }
       record.method = static_cast<std::uint16_t>(method);
       record.size = method == 0 ? size : compressed;  // the bytes in the file
+      record.header = local;
       record.offset = data_offset(local, record.name);
       if (!source_.holds(record.offset, size)) {
         damaged("record '" + record.name + "' runs past the end of the file");
@@ -166,6 +169,33 @@ class ZipArchive {
       }
       records_.push_back(std::move(record));
       at += 46 + name_size + extra_size + comment_size;
+    }
+    check_no_overlap(end.directory_offset);
+  }
+
+  // By their local headers' offsets, each record's data ends before the next record's header,
+  // and the last before the central directory, as CPython's zipfile requires ("Overlapped
+  // entries"). Records that overlap (a "quoted-overlap" zip bomb: each record's data holds the
+  // records after it) hand the same bytes to many storages: a file of 0.5 MB read as 285 MB of
+  // tensors. No zip writer makes them; torch.load reads them.
+  void check_no_overlap(std::uint64_t directory_offset) const {
+    std::vector<const Record*> order;
+    order.reserve(records_.size());
+    for (const auto& r : records_) order.push_back(&r);
+    std::sort(order.begin(), order.end(), [](const Record* a, const Record* b) {
+      return a->header < b->header;
+    });
+    for (std::size_t i = 0; i < order.size(); ++i) {
+      const auto& r = *order[i];
+      const bool last = i + 1 == order.size();
+      const auto limit = last ? directory_offset : order[i + 1]->header;
+      if (r.offset + r.size <= limit) continue;  // both within the file: no overflow
+      damaged("record '" + r.name + "' (bytes [" + std::to_string(r.offset) + ", " +
+              std::to_string(r.offset + r.size) + ")) runs into " +
+              (last ? std::string("the central directory") : "record '" + order[i + 1]->name + "'") +
+              " (at byte " + std::to_string(limit) + "): records overlap, which no zip writer "
+              "makes and CPython's zipfile refuses (a zip bomb hands a small file's bytes to many "
+              "tensors so); use another copy of the file");
     }
   }
 

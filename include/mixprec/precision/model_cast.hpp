@@ -5,6 +5,7 @@
 // the CPU of LibTorch 1.13). Claiming it, so that a second Trainer cannot cast or step it too,
 // is core/model_claim.hpp.
 
+#include <mixprec/core/held_shards.hpp>
 #include <mixprec/core/model_claim.hpp>
 #include <mixprec/core/tensor_set.hpp>
 #include <mixprec/core/error.hpp>
@@ -210,7 +211,11 @@ inline void cast_model(torch::nn::Module& model, at::ScalarType dtype, bool keep
         continue;
       }
       if (at::isFloatingType(p.scalar_type()) && p.scalar_type() != dtype) {
-        p.set_data(p.data().to(dtype));
+        if (HeldShards::is_placeholder(p)) {
+          cast_held(p, dtype);  // its piece; no bytes of its size
+        } else {
+          p.set_data(p.data().to(dtype));
+        }
         // A gradient left from before would stay fp32 and have every later one added into it.
         p.mutable_grad() = at::Tensor();
         CastRecord::add(p, policy);
@@ -251,13 +256,19 @@ namespace mixprec {
 /// `model.to(torch.bfloat16)` does, one tensor at a time (each keeps its identity). LibTorch's
 /// `model->to(dtype)` casts every tensor, the integer ones too: an encoder's position ids, whose
 /// embedding lookup then fails, or BatchNorm's num_batches_tracked, which stops counting at 256
-/// in bf16. For a model handed to a PureHalf Trainer already in its Low dtype.
+/// in bf16. For a model handed to a PureHalf Trainer already in its Low dtype. A parameter held
+/// in shards (mixprec::ShardedBuild) casts its piece.
 inline void cast_floating(torch::nn::Module& model, at::ScalarType dtype) {
   MIXPREC_CHECK(at::isFloatingType(dtype), "cast_floating: ", dtype, " is not a floating-point "
                 "dtype");
   at::NoGradGuard no_grad;
   for (auto& p : model.parameters()) {
-    if (at::isFloatingType(p.scalar_type())) p.set_data(p.data().to(dtype));
+    if (!at::isFloatingType(p.scalar_type()) || p.scalar_type() == dtype) continue;
+    if (detail::HeldShards::is_placeholder(p)) {
+      detail::cast_held(p, dtype);  // held in shards: its piece (mixprec::ShardedBuild)
+    } else {
+      p.set_data(p.data().to(dtype));
+    }
   }
   for (auto& b : model.buffers()) {
     if (at::isFloatingType(b.scalar_type())) b.set_data(b.data().to(dtype));

@@ -145,12 +145,12 @@ class TrainerCheckpoints {
   /// forward sees rank 0's buffers); refused where the optimizer state is sharded (load into
   /// the model before building the Trainer).
   LoadReport load_state_dict(const StateDict& weights, const LoadOptions& options = {}) {
-    return load_weights_from("the state dict", [&] { return weights; }, options);
+    return load_weights_from("the state dict", [&] { return detail::WeightsFile{weights, {}}; }, options);
   }
 
   /// load_state_dict of the file at `path`: torch.save's or safetensors (read_state_dict).
   LoadReport load_weights(const std::string& path, const LoadOptions& options = {}) {
-    return load_weights_from("'" + path + "'", [&] { return mixprec::read_state_dict(path, options.key()); },
+    return load_weights_from("'" + path + "'", [&] { return detail::read_weights(path, options.key()); },
                              options);
   }
 

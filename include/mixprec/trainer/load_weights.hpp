@@ -17,9 +17,9 @@
 namespace mixprec::detail {
 
 inline LoadReport load_into_trained(torch::nn::Module& model, MasterWeights* masters,
-                                    const StateDict& weights, const LoadOptions& options,
+                                    const WeightsFile& weights, const LoadOptions& options,
                                     const std::string& source) {
-  auto plan = plan_load(model, weights, options);
+  auto plan = plan_load(model, weights.tensors, options, weights.versions);
   std::vector<std::pair<at::Tensor, at::Tensor>> master_values;
   for (auto& a : plan.assignments) {
     const auto master = masters != nullptr ? masters->master_of(a.target) : at::Tensor();

@@ -169,7 +169,9 @@ TrainerOptions checked_options(TrainerOptions options, const torch::optim::Optim
     check_shardable(optimizer);
     for (const auto& group : optimizer.param_groups()) {
       for (const auto& p : group.params()) {
-        MIXPREC_CHECK(p.is_contiguous(), "DistributedOptions::shard_optimizer_state: a parameter "
+        // (Held in shards: laid out from its pieces, into storage of its own.)
+        MIXPREC_CHECK(p.is_contiguous() || HeldShards::is_placeholder(p),
+                      "DistributedOptions::shard_optimizer_state: a parameter "
                       "of shape ", p.sizes(), " and strides ", p.strides(), " is not contiguous "
                       "(the ranks' slices are ranges of its elements in memory order); make it "
                       "contiguous before building the Trainer");

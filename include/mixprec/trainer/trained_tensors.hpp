@@ -7,6 +7,7 @@
 #include <mixprec/diagnostics/overflow.hpp>
 #include <mixprec/diagnostics/gradient_stats.hpp>
 #include <mixprec/core/error.hpp>
+#include <mixprec/core/held_shards.hpp>
 #include <mixprec/optim/master_weights.hpp>
 #include <mixprec/precision/model_cast.hpp>
 #include <mixprec/trainer/model_checks.hpp>
@@ -65,6 +66,7 @@ class TrainedTensors {
       take_sharded(model, optimizer, unique_tensors(optimizer_tensors(optimizer)), true);
       return;
     }
+    check_not_held(model.named_parameters(), "Trainer");  // data parallel gathered its own
     if constexpr (P::cast_model) {
       std::vector<at::Tensor> fp32_values;
       if constexpr (P::master_weights) {
