@@ -1198,6 +1198,16 @@ ZeroRun train_zero(Rank& r, int stage, Opt kind, int accumulation, std::optional
   return run;
 }
 
+// The largest |a - b|.
+double max_absolute(const std::vector<torch::Tensor>& a, const std::vector<torch::Tensor>& b) {
+  double worst = 0;
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    const auto x = a[i].to(torch::kDouble), y = b[i].to(torch::kDouble);
+    worst = std::max(worst, (x - y).abs().max().item<double>());
+  }
+  return worst;
+}
+
 // The largest (|a - b| - allowed) / (|b| + 2^-6): beyond `allowed`, relative.
 double max_relative(const std::vector<torch::Tensor>& a, const std::vector<torch::Tensor>& b,
                     double allowed = 0) {
@@ -1233,12 +1243,16 @@ void zero_equivalence(Rank& r, Opt kind, int accumulation, std::optional<double>
                     (late ? " late param group" : "") + (fused ? " fused" : "");
   RANK_EXPECT(sharded.statuses == plain.statuses, name);
   RANK_EXPECT(sharded.statuses[3] == mp::StepStatus::skipped, name);
-  double params = 0, beyond = 0;
+  double params = 0, beyond = 0, of_bound = 0;  // of_bound: the largest |difference| / bound
   std::size_t exact = 0;
   bool equal_so_far = true;
   for (std::size_t k = 0; k < plain.params.size(); ++k) {
     params = std::max(params, max_relative(sharded.params[k], plain.params[k]));
     beyond = std::max(beyond, max_relative(sharded.params[k], plain.params[k], plain.bounds[k]));
+    if (plain.bounds[k] > 0) {
+      const double difference = max_absolute(sharded.params[k], plain.params[k]);
+      of_bound = std::max(of_bound, difference / plain.bounds[k]);
+    }
     equal_so_far = equal_so_far && identical(sharded.params[k], plain.params[k]);
     exact += equal_so_far ? 1 : 0;
   }
@@ -1250,7 +1264,8 @@ void zero_equivalence(Rank& r, Opt kind, int accumulation, std::optional<double>
   if (measured) {
     // The kernels this rank computes with (a rank inherits ATEN_CPU_CAPABILITY from the test).
     std::cerr << "; Adam's sum-order bound " << noise.bound() << " (magnification "
-              << noise.magnification() << "), beyond it " << std::max(beyond, masters_beyond)
+              << noise.magnification() << "), the largest difference " << of_bound
+              << " of it, beyond it " << std::max(beyond, masters_beyond)
               << ", ATen's CPU capability " << mp::detail::aten_cpu_capability();
   }
   std::cerr << " (tolerance " << tolerance << ")\n";
@@ -1708,10 +1723,14 @@ void zero3_equivalence(Rank& r, int accumulation, std::optional<double> clip, do
   double worst = 0;
   std::size_t exact = 0;
   bool equal_so_far = true;
-  double beyond = 0;
+  double beyond = 0, of_bound = 0;  // of_bound: the largest |difference| / bound
   for (std::size_t k = 0; k < plain.fp32.size(); ++k) {
     worst = std::max(worst, max_relative(sharded.fp32[k], plain.fp32[k]));
     beyond = std::max(beyond, max_relative(sharded.fp32[k], plain.fp32[k], plain.bounds[k]));
+    if (plain.bounds[k] > 0) {
+      const double difference = max_absolute(sharded.fp32[k], plain.fp32[k]);
+      of_bound = std::max(of_bound, difference / plain.bounds[k]);
+    }
     equal_so_far = equal_so_far && identical(sharded.fp32[k], plain.fp32[k]);
     exact += equal_so_far ? 1 : 0;
   }
@@ -1720,7 +1739,9 @@ void zero3_equivalence(Rank& r, int accumulation, std::optional<double> clip, do
             << "relative difference " << worst << " in the fp32 weights";
   if (measured) {
     std::cerr << " (Adam's sum-order bound " << noise.bound() << ", magnification "
-              << noise.magnification() << "; beyond it " << beyond << ")";
+              << noise.magnification() << "; the largest difference " << of_bound
+              << " of it, beyond it " << beyond << ", ATen's CPU capability "
+              << mp::detail::aten_cpu_capability() << ")";
   }
   std::cerr << ", " << evaluated << " in evaluate(); " << exact << " of 5 steps bitwise equal (tolerance " << tolerance
             << "); weights " << sharded.bytes.weights << " bytes (unsharded " << plain.bytes.weights
