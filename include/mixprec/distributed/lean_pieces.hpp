@@ -37,7 +37,7 @@ class LeanPieces {
                          : slot.param.detach().view({-1}).narrow(0, slot.piece_from, n);
     index_of_.emplace(slot.piece.unsafeGetTensorImpl(), slots_.size());
     slots_.push_back(i);
-    lean_.add(slot.low, slot.piece, tensor, slot.piece_from);
+    lean_.add(slot.low, slot.piece, tensor, slot.piece_from, slot.param.numel());
   }
 
   /// A piece's bf16 value and what is kept of it, for the one-pass step (lean_adam_step), which
