@@ -392,3 +392,104 @@ TEST_CASE("block recipes in checkpoints: the recipe's settings refuse another's;
     CHECK_FALSE(test::identical(seven.state(), eight.state()));
   });
 }
+
+TEST_CASE("advise: the block recipes' verdicts (features the block tiles, values a block rounds to "
+          "0, NVFP4's last layers) and the maps that let their Trainers build" *
+          doctest::skip(!mp::has_fp8)) {
+  with_fp8_recipes<mp::MXFP8Scaling<>, mp::BlockwiseFP8Scaling, mp::NVFP4>(
+      [](auto mx, auto blockwise, auto nvfp4) {
+    auto generator = torch::make_generator<at::CPUGeneratorImpl>(9);
+    torch::manual_seed(0);
+    Mlp model;
+    const auto advise_with = [&](bool outlier_row, const mp::AdviseOptions& options = {}) {
+      return mp::advise(model, [&] {
+        auto x = torch::randn({128, 128}, generator);
+        if (outlier_row) {
+          x[0].fill_(1e7);  // one sample of 1e7 in every feature
+        } else {
+          x.select(1, 0).fill_(1e7);  // one feature of 1e7 in every sample
+        }
+        return model->forward(x).pow(2).mean();
+      }, options);
+    };
+    // An outlier sample: tensorwise scaling flushes the others; a scale per block of a row
+    // isolates it. The head (128 -> 4) fits no block.
+    const auto rows = advise_with(true);
+    REQUIRE(rows.fp8_layers.size() == 3);
+    const auto& fc1 = rows.fp8_layers[0];
+    const auto& head = rows.fp8_layers[2];
+    CHECK_FALSE(fc1.fp8);
+    CHECK(fc1.mxfp8);
+    CHECK(fc1.blockwise);
+    CHECK(fc1.nvfp4);
+    CHECK(fc1.input.flushed_mxfp8 == 0.0);
+    CHECK_FALSE(head.template holds<decltype(mx)>());
+    CHECK(head.mxfp8_reason == "its features (128 -> 4) are no multiples of MXFP8's block of 32");
+    CHECK_FALSE(head.template holds<decltype(blockwise)>());
+    CHECK_FALSE(head.template holds<decltype(nvfp4)>());
+    // An outlier feature: each row's first block of 32 (or 128) is its scale's, and the rest
+    // of that block rounds to 0: 31/128 of the inputs under MXFP8, 127/128 under blockwise.
+    const auto columns = advise_with(false);
+    const auto& c1 = columns.fp8_layers[0];
+    CHECK_FALSE(c1.mxfp8);
+    CHECK(c1.input.flushed_mxfp8 == doctest::Approx(31.0 / 128).epsilon(0.02));
+    CHECK_FALSE(c1.blockwise);
+    CHECK(c1.input.flushed_blockwise == doctest::Approx(127.0 / 128).epsilon(0.02));
+    CHECK(c1.mxfp8_reason.find("of its nonzero inputs would round to 0 in MXFP8") != std::string::npos);
+    // The maps: each keeps what its recipe cannot hold, and its Trainer builds with it.
+    const auto map = columns.template fp8_precision_map<decltype(mx)>();
+    CHECK(map.rules().size() == 2);  // fc1 and head
+    mp::apply_precision_map<mp::MixedFP8<decltype(mx)>>(model, map);
+    torch::optim::AdamW adam(model->parameters());
+    {
+      mp::Trainer<mp::MixedFP8<decltype(mx)>> trainer(model, adam);
+      CHECK_FALSE(model->fc1->computes_fp8());
+      CHECK(model->fc2->computes_fp8());
+    }
+    // NVFP4 keeps the last share of the layers in bf16, NVIDIA's recipe (15%: the head alone
+    // of three; 50%: fc2 too).
+    CHECK(rows.template fp8_precision_map<decltype(nvfp4)>().rules().size() == 1);
+    torch::manual_seed(0);
+    Mlp fresh;
+    model = fresh;
+    const auto half = advise_with(true, mp::AdviseOptions().nvfp4_bf16_share(0.5));
+    CHECK_FALSE(half.fp8_layers[1].nvfp4);
+    CHECK(half.fp8_layers[1].nvfp4_reason.find("NVIDIA's NVFP4 recipe keeps the last 50%") == 0);
+    CHECK(half.template fp8_precision_map<decltype(nvfp4)>().rules().size() == 2);
+  });
+}
+
+TEST_CASE("each block cast's signal-to-noise ratio on normal data against torchao's thresholds "
+          "(MX e4m3 18 dB, NVFP4 8 dB)" * doctest::skip(!mp::has_fp8)) {
+  // torchao's compute_error: 20 log10(|x| / |x - dequantized|), in dB. Its tests hold MX
+  // e4m3 casts of randn to 18 dB (test_mx_tensor.py) and NVFP4's to 8 dB
+  // (test_nvfp4_tensor.py); the blockwise casts, e4m3 too, are held to MX's.
+  torch::manual_seed(5);
+  const auto x = torch::randn({256, 256}).to(at::kBFloat16);
+  const auto reference = x.to(at::kFloat);
+  const auto sqnr = [&](const at::Tensor& values) {
+    return 20.0 * std::log10(reference.norm().item<double>() /
+                             (reference - values).norm().item<double>());
+  };
+  namespace d = mp::detail;
+  const double mx_floor = sqnr(d::mx_dequantize(d::mx_quantize(x, mp::MxScale::floor), at::kFloat));
+  const double mx_rceil = sqnr(d::mx_dequantize(d::mx_quantize(x, mp::MxScale::rceil), at::kFloat));
+  const double bw_1x128 = sqnr(d::blockwise_dequantize(d::blockwise_quantize_1x128(x)));
+  const double bw_128x1 = sqnr(d::blockwise_dequantize(d::blockwise_quantize_128x1(x)));
+  const double bw_128x128 = sqnr(d::blockwise_dequantize(d::blockwise_quantize_128x128(x)));
+  const double nv_1x16 = sqnr(d::nvfp4_dequantize(d::nvfp4_quantize(x, false)));
+  const double nv_16x16 = sqnr(d::nvfp4_dequantize(d::nvfp4_quantize(x, true)));
+  const double nv_stochastic =
+      sqnr(d::nvfp4_dequantize(d::nvfp4_quantize(x, false, {.stochastic = true, .key = 77U})));
+  MESSAGE("SQNR (dB) on randn [256, 256] bf16: MXFP8 FLOOR ", mx_floor, ", RCEIL ", mx_rceil,
+          "; blockwise fp8 1x128 ", bw_1x128, ", 128x1 ", bw_128x1, ", 128x128 ", bw_128x128,
+          "; NVFP4 1x16 ", nv_1x16, ", 16x16 ", nv_16x16, ", 1x16 stochastic ", nv_stochastic);
+  for (const double fp8 : {mx_floor, mx_rceil, bw_1x128, bw_128x1, bw_128x128}) CHECK(fp8 >= 18.0);
+  for (const double fp4 : {nv_1x16, nv_16x16}) CHECK(fp4 >= 8.0);
+  // A scale per 16x16 tile is coarser than one per 16 values; stochastic rounding, unbiased,
+  // adds noise to each value (its point is the mean, tested above), so its ratio is lower.
+  CHECK(nv_16x16 <= nv_1x16);
+  CHECK(nv_stochastic < nv_1x16);
+  // e4m3's 3 mantissa bits against e2m1's 1: the fp8 casts are at least 10 dB cleaner.
+  CHECK(std::min({mx_floor, mx_rceil, bw_1x128}) > nv_1x16 + 10.0);
+}
