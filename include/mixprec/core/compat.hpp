@@ -195,6 +195,38 @@ inline float float8_value(c10::ScalarType, std::uint8_t) {
 }
 #endif
 
+// The block-scaled product (at::_scaled_mm_v2: a list of decoding scales per operand, each with
+// its ScalingType and swizzle as ints, ATen/BlasBackend.h's enums) and the dtypes of its scales
+// and fp4 operands, where this LibTorch has them (2.9 and later); Undefined dtypes and an
+// Error elsewhere (the callers ask has_block_scaled_mm first).
+#if __has_include(<ATen/ops/_scaled_mm_v2.h>)
+inline constexpr bool has_block_scaled_mm = true;
+inline constexpr c10::ScalarType float8_e8m0 = c10::ScalarType::Float8_e8m0fnu;
+inline constexpr c10::ScalarType float4_e2m1x2 = c10::ScalarType::Float4_e2m1fn_x2;
+inline at::Tensor block_scaled_mm(const at::Tensor& a, const at::Tensor& b,
+                                  const std::vector<at::Tensor>& scale_a,
+                                  const std::vector<std::int64_t>& recipe_a,
+                                  const std::vector<std::int64_t>& swizzle_a,
+                                  const std::vector<at::Tensor>& scale_b,
+                                  const std::vector<std::int64_t>& recipe_b,
+                                  const std::vector<std::int64_t>& swizzle_b,
+                                  c10::ScalarType out_dtype) {
+  return at::_scaled_mm_v2(a, b, scale_a, recipe_a, swizzle_a, scale_b, recipe_b, swizzle_b,
+                           std::nullopt, out_dtype);
+}
+#else
+inline constexpr bool has_block_scaled_mm = false;
+inline constexpr c10::ScalarType float8_e8m0 = c10::ScalarType::Undefined;
+inline constexpr c10::ScalarType float4_e2m1x2 = c10::ScalarType::Undefined;
+inline at::Tensor block_scaled_mm(const at::Tensor&, const at::Tensor&,
+                                  const std::vector<at::Tensor>&, const std::vector<std::int64_t>&,
+                                  const std::vector<std::int64_t>&, const std::vector<at::Tensor>&,
+                                  const std::vector<std::int64_t>&, const std::vector<std::int64_t>&,
+                                  c10::ScalarType) {
+  TORCH_CHECK(false, "mixprec: block-scaled matrix products need LibTorch >= 2.9");
+}
+#endif
+
 // A dtype as Python's files name it: torch's name ("float32", as in torch.float32, which
 // torch.save's _rebuild_tensor_v3 pickles), safetensors' ("F32"; empty where it has none), the
 // legacy storage class torch.save pickles for it ("FloatStorage"; empty for the dtypes it saves as

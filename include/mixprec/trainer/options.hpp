@@ -224,6 +224,8 @@ class BasicTrainerOptions {
   /// StochasticRounding's seed: the bits that round element i of the k-th tensor at optimizer
   /// step s are a hash of (seed, s, k, i) (optim/lean_kernels.hpp), the same on every data
   /// parallel rank and after a checkpoint's load (which restores the seed and s). 0 by default.
+  /// MixedFP8<NVFP4Scaling<>> draws its gradients' stochastic rounding and its Hadamard signs
+  /// from the same seed (fp8/nvfp4.hpp).
   MIXPREC_TRAINER_OPTION(std::uint64_t, rounding_seed)
 
   /// Every value, as the Trainer reads them.

@@ -84,7 +84,8 @@ class Trainer : public detail::TrainerCheckpoints<P> {
                     P::name, "> with TrainerOptions::distributed: delayed scaling's amax "
                     "histories are per rank and are not reduced across ranks yet; use "
                     "MixedFP8<TensorwiseScaling> for data parallel");
-      fp8_layers = detail::Fp8Layers::find(*model_, P::name);  // throws if there are none
+      // Throws if there are none, or (block recipes) if a layer's features miss the blocks.
+      fp8_layers = detail::Fp8Layers::find<typename P::recipe>(*model_, P::name);
     }
     // All checks passed: from here on the model and optimizer change. Data parallel
     // (collective): the same model on every rank, then rank 0's values everywhere, before the
@@ -98,7 +99,9 @@ class Trainer : public detail::TrainerCheckpoints<P> {
     if (data_parallel_) tensors_.bind(*data_parallel_, *model_);
     detail::warn_slow_fp16_convolutions<P>(*model_, options_, tensors_.device_types());
     detail::warn_slow_bf16<P>(options_, tensors_.device_types());
-    if constexpr (detail::fp8_policy<P>) fp8_.enable<typename P::recipe>(std::move(fp8_layers));
+    if constexpr (detail::fp8_policy<P>) {
+      fp8_.enable<typename P::recipe>(std::move(fp8_layers), options_.rounding_seed());
+    }
     schedule_.start(optimizer);  // Python's scheduler constructor step (schedule.hpp)
   }
 
