@@ -88,8 +88,7 @@ inline double kaiming_bound(std::int64_t fan_in) {
 /// nn.Linear(in, r) and nn.Linear(r, out) each initialise their weight on construction, then
 /// PEFT draws A again (kaiming_uniform_, a = sqrt(5)) and zeroes B.
 inline std::pair<at::Tensor, at::Tensor> lora_init(std::int64_t in, std::int64_t out,
-                                                   std::int64_t rank,
-                                                   const std::optional<at::Generator>& generator) {
+                                                   std::int64_t rank, at::Generator generator) {
   at::NoGradGuard no_grad;
   auto a = at::empty({rank, in});
   auto b = at::empty({out, rank});
@@ -181,8 +180,9 @@ inline std::vector<std::string> apply_lora(const std::shared_ptr<torch::nn::Modu
 
   // All checks passed.
   at::NoGradGuard no_grad;
-  std::optional<at::Generator> generator;
-  if (options.seed()) generator = at::detail::createCPUGenerator(*options.seed());
+  // A generator object either way (LibTorch 1.13 takes c10::optional, not std::optional).
+  const auto generator = options.seed() ? at::detail::createCPUGenerator(*options.seed())
+                                        : at::detail::getDefaultCPUGenerator();
   // PEFT freezes every parameter but the adapters' and those of modules_to_save.
   for (auto& p : model->parameters()) p.requires_grad_(false);
   for (std::size_t i = 0; i < named.size(); ++i) {
