@@ -170,8 +170,9 @@ TEST_CASE("merge_lora and unmerge_lora: W + (alpha / r) B A and back within the 
   }
 }
 
-TEST_CASE("the frozen base in bf16 or fp8 under FullPrecision, MixedO1 and MixedO2: no masters "
-          "or gradients for it, its bytes in state_bytes(), the base unchanged") {
+TEST_CASE("the frozen base in bf16 or fp8 under FullPrecision, MixedO1, MixedO2 and the lean "
+          "storages: no masters, moments or gradients for it, its bytes in state_bytes(), the "
+          "base unchanged") {
   const auto [x, y] = make_data();
   std::vector<mp::LoraBase> bases{mp::LoraBase::bf16};
   if (mp::has_fp8) bases.insert(bases.end(), {mp::LoraBase::fp8_rowwise, mp::LoraBase::fp8_tensorwise});
@@ -179,7 +180,8 @@ TEST_CASE("the frozen base in bf16 or fp8 under FullPrecision, MixedO1 and Mixed
   s.steps = 4;
   for (const auto base : bases) {
     CAPTURE(std::string(mp::detail::lora_base_name(base)));
-    const auto run = [&]<class P>(P) {
+    // masters, moments: bytes per trained value under P.
+    const auto run = [&]<class P>(P, std::int64_t masters, std::int64_t moments) {
       CAPTURE(P::name);
       auto model = make_net();
       mp::apply_lora(model, {"fc1", "fc2"}, options_of(s).base(base));
@@ -204,15 +206,21 @@ TEST_CASE("the frozen base in bf16 or fp8 under FullPrecision, MixedO1 and Mixed
       std::int64_t expected = 0;
       for (const auto& p : model->parameters()) expected += p.numel() * static_cast<std::int64_t>(p.element_size());
       CHECK(bytes.weights == expected);
-      // Masters (MixedO2) for the 6 trained tensors only: 4 adapters and the head.
+      // Masters and moments for the 6 trained tensors only: 4 adapters and the head.
       std::int64_t trained = 0;
       for (const auto& p : mp::trainable_parameters(*model)) trained += p.numel();
-      if constexpr (P::master_weights) CHECK(bytes.masters == 4 * trained);
-      CHECK(bytes.optimizer == 8 * trained);
+      // A lean storage's master between steps: a one-element fp32 placeholder per tensor.
+      constexpr bool lean = mp::detail::lean_pass_storage<P>;
+      CHECK(bytes.masters == masters * trained + (lean ? 4 * 6 : 0));
+      CHECK(bytes.optimizer == moments * trained);
     };
-    run(mp::FullPrecision{});
-    run(mp::MixedO1<at::BFloat16>{});
-    run(mp::MixedO2<at::BFloat16>{});
+    run(mp::FullPrecision{}, 0, 8);
+    run(mp::MixedO1<at::BFloat16>{}, 0, 8);
+    run(mp::MixedO2<at::BFloat16>{}, 4, 8);
+    // The lean storages: bf16 remainders as masters, bf16 moments, stochastic rounding.
+    run(mp::MixedO2<at::BFloat16, mp::RemainderMasters<>>{}, 2, 8);
+    run(mp::MixedO2<at::BFloat16, mp::RemainderMasters<at::BFloat16>>{}, 2, 4);
+    run(mp::PureHalf<at::BFloat16, mp::StochasticRounding<>>{}, 0, 4);
   }
 }
 
