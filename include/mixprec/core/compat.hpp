@@ -268,6 +268,17 @@ inline const std::vector<FileDtype>& file_dtypes() {
       {"float8_e4m3fnuz", "F8_E4M3FNUZ", "", none, "2.2"},
       {"float8_e5m2fnuz", "F8_E5M2FNUZ", "", none, "2.2"},
 #endif
+#if MIXPREC_TORCH_AT_LEAST(2, 7)
+      {"float8_e8m0fnu", "F8_E8M0", "", ScalarType::Float8_e8m0fnu, "2.7"},
+#else
+      {"float8_e8m0fnu", "F8_E8M0", "", none, "2.7"},
+#endif
+#if MIXPREC_TORCH_AT_LEAST(2, 8)
+      // Two fp4 values a byte: safetensors' shape counts values (its last size doubled).
+      {"float4_e2m1fn_x2", "F4", "", ScalarType::Float4_e2m1fn_x2, "2.8"},
+#else
+      {"float4_e2m1fn_x2", "F4", "", none, "2.8"},
+#endif
 #if MIXPREC_TORCH_AT_LEAST(2, 3)
       {"uint16", "U16", "", ScalarType::UInt16, "2.3"},
       {"uint32", "U32", "", ScalarType::UInt32, "2.3"},

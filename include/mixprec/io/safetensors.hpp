@@ -37,8 +37,8 @@ namespace detail {
 inline constexpr std::uint64_t kSafetensorsMaxHeader = 100'000'000;
 
 inline constexpr const char* kSafetensorsDtypes =
-    "F64, F32, F16, BF16, I64, I32, I16, I8, U8, BOOL, C64, and from LibTorch 2.1 to 2.3 on "
-    "F8_E4M3, F8_E5M2, F8_E4M3FNUZ, F8_E5M2FNUZ, U16, U32, U64";
+    "F64, F32, F16, BF16, I64, I32, I16, I8, U8, BOOL, C64, and from LibTorch 2.1 to 2.8 on "
+    "F8_E4M3, F8_E5M2, F8_E4M3FNUZ, F8_E5M2FNUZ, U16, U32, U64, F8_E8M0, F4";
 
 // A JSON number that is a whole number >= 0 no larger than `limit`, which `bound` names.
 inline std::uint64_t safetensors_count(const Json& value, const std::string& tensor,
@@ -126,6 +126,13 @@ inline SafetensorsEntry safetensors_entry(const std::string& name, const Json& v
     entry.shape.push_back(static_cast<std::int64_t>(safetensors_count(
         dim, name, "size", static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max()),
         "a LibTorch size holds")));
+  }
+  if (dtype->text == "F4") {
+    // Two fp4 values a byte of LibTorch's Float4_e2m1fn_x2: the header counts values.
+    MIXPREC_CHECK(!entry.shape.empty() && entry.shape.back() % 2 == 0, "safetensors: tensor '",
+                  name, "' of '", source, "' is F4 of shape ", shape->dump(), ", whose last "
+                  "size is not even: fp4 values come two to a byte");
+    entry.shape.back() /= 2;
   }
   std::uint64_t elements = 1;
   if (std::find(entry.shape.begin(), entry.shape.end(), 0) != entry.shape.end()) {

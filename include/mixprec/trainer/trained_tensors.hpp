@@ -45,6 +45,7 @@ class TrainedTensors {
     const auto params = unique_tensors(model.parameters());
     claim_ = ModelClaim::acquire(params, P::name);
     check_model_dtypes<P>(model);
+    check_fixed_untrained(model, optimizer_tensors(optimizer));
     if constexpr (P::master_weights) {
       MasterWeights::check_rebindable(params, optimizer);
       check_dense_gradients(model, optimizer_tensors(optimizer), P::name);
@@ -123,6 +124,7 @@ class TrainedTensors {
   /// Nothing changes unless all of it can be done.
   void adopt(torch::nn::Module& model, torch::optim::Optimizer& optimizer) {
     check_optimizer_constants<P>(optimizer);  // a late group's eps, too
+    check_fixed_untrained(model, optimizer_tensors(optimizer));
     const auto params = unique_tensors(model.parameters());
     if (shards_ != nullptr) {
       check_pieces_kept(optimizer);
