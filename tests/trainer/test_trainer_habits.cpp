@@ -183,13 +183,11 @@ TEST_CASE_TEMPLATE("optimizer.step() after trainer.step() applies nothing a seco
     bool read_in_on_step = false;
     Run<P> observed(mp::TrainerOptions(options).on_step([&](const mp::StepReport& report) {
       if (!report.stepped()) return;
-      // Diagnostics that read the gradients do so here, before they are cleared: the model's,
-      // or under MixedO2 with accumulation the masters', which hold the sum.
-      bool all = true;
-      const bool in_masters = P::master_weights && accumulation > 1;
-      for (const auto& p : in_masters ? observed.trainer.master_weights() : observed.net->parameters()) {
-        all = all && p.grad().defined();
-      }
+      // Diagnostics that read the gradients do so here, before they are cleared, by the
+      // model's names (under MixedO2 the masters', which hold the step's gradient).
+      const auto grads = observed.trainer.gradients();
+      bool all = grads.size() == observed.net->named_parameters().size();
+      for (const auto& item : grads) all = all && item.value().value.defined();
       read_in_on_step = all;
     }));
     for (std::int64_t i = 0; i < 6; ++i) {

@@ -34,6 +34,7 @@
 #include <mixprec/trainer/schedule.hpp>
 #include <mixprec/trainer/setup.hpp>
 #include <mixprec/trainer/state_bytes.hpp>
+#include <mixprec/trainer/step_gradients.hpp>
 #include <mixprec/trainer/trained_tensors.hpp>
 
 #include <ATen/ATen.h>
@@ -41,6 +42,7 @@
 #include <torch/nn/module.h>
 #include <torch/nn/pimpl.h>
 #include <torch/optim/optimizer.h>
+#include <torch/ordered_dict.h>
 
 #include <concepts>
 #include <cstdint>
@@ -154,6 +156,15 @@ class Trainer : public detail::TrainerCheckpoints<P> {
     } else {
       return x.defined() && at::isFloatingType(x.scalar_type()) ? x.to(P::low_dtype) : x;
     }
+  }
+
+  /// Inside on_step, on a report that ends an optimizer step (stepped or skipped): the
+  /// gradient each model parameter was stepped with, by its name: unscaled, averaged, clipped
+  /// where clipping applied, as Python's `p.grad` after `scaler.step(opt)`; under MixedO2 the
+  /// fp32 masters' (the model's own .grad() is none there), sharded this rank's part. An Error
+  /// elsewhere (trainer/step_gradients.hpp).
+  torch::OrderedDict<std::string, StepGradient> gradients() const {
+    return gradients_.read(*model_, *optimizer_, tensors_.masters(), data_parallel_.get());
   }
 
   scaler_type& scaler() noexcept { return scaler_; }
@@ -304,11 +315,16 @@ class Trainer : public detail::TrainerCheckpoints<P> {
     report.status = stepped ? StepStatus::stepped : StepStatus::skipped;
     report.step = counters_.steps;
     {
-      // The step is taken: an on_step that throws (a failed metrics push, a log that cannot be
-      // written) leaves no gradient for a second update, nor the schedule a step behind.
+      // on_step reads the gradients the step used (gradients()); a model tensor stepped through
+      // another tensor (a master, a piece) shows none of its own. The step is taken: an on_step
+      // that throws (a failed metrics push, a log that cannot be written) leaves no gradient
+      // for a second update, nor the schedule a step behind.
       detail::OnUnwind finish_anyway([this] { finish_step_quietly(); });
-      notify(report);  // on_step may read the gradients
+      tensors_.clear_stand_in_grads();
+      gradients_.open(*optimizer_, done.grad_divisor);
+      notify(report);
       finish_anyway.dismiss();
+      gradients_.close();
     }
     // None stays for an optimizer.step() of the user's to apply a second time (the habit of
     // Python's `scaler.step(opt); opt.step()`): PyTorch's zero_grad() after the step.
@@ -373,6 +389,7 @@ class Trainer : public detail::TrainerCheckpoints<P> {
   // The end of a taken step while on_step's exception unwinds: that exception is the one the
   // caller sees (a bad lr stays the old one, schedule.hpp).
   void finish_step_quietly() noexcept {
+    gradients_.close();
     try {
       tensors_.clear_grads(*optimizer_);
       schedule_.advance(*optimizer_, counters_.steps);
@@ -385,6 +402,7 @@ class Trainer : public detail::TrainerCheckpoints<P> {
   TrainerOptions options_;
   scaler_type scaler_;
   detail::TrainedTensors<P> tensors_;
+  detail::StepGradients gradients_;  // what on_step's gradients() reads, while it runs
   detail::LrSchedule schedule_;  // TrainerOptions::lr_scheduler or lr_lambda; else inactive
   std::unique_ptr<detail::StepGroup> data_parallel_;  // with TrainerOptions::distributed
   // The gradient passes, with the scaler's scale; fp16 gradients in place where the model is
