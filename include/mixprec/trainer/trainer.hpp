@@ -167,6 +167,17 @@ class Trainer : public detail::TrainerCheckpoints<P> {
     return gradients_.read(*model_, *optimizer_, tensors_.masters(), data_parallel_.get());
   }
 
+  /// Forgets the micro-batches accumulated since the last optimizer step (their gradients and
+  /// losses), as load() does: the next step() starts an optimizer step afresh. The way on where
+  /// an accumulation cannot be finished (a new optimizer assigned in its middle). Returns how
+  /// many were dropped. Data parallel: call it on every rank.
+  std::int64_t drop_accumulation() {
+    check_not_busy("drop_accumulation");
+    const auto dropped = pending_;
+    forget_accumulation();
+    return dropped;
+  }
+
   scaler_type& scaler() noexcept { return scaler_; }
   const scaler_type& scaler() const noexcept { return scaler_; }
   torch::nn::Module& model() noexcept { return *model_; }
@@ -261,11 +272,13 @@ class Trainer : public detail::TrainerCheckpoints<P> {
     report.loss = loss32.detach();
     loss_sum_ = loss_sum_.defined() ? loss_sum_ + report.loss : report.loss;
     ++counters_.micro_batches;
-    if (++pending_ < n) {
+    report.micro_batch = ++pending_;
+    if (pending_ < n) {
       report.step = counters_.steps;
-      notify(report);  // on_step may read the partial sums; the optimizer may not
+      // Held before on_step: an optimizer.zero_grad() or step() there finds no partial sum.
       tensors_.hold_grads(*optimizer_);
       hold_again.dismiss();
+      notify(report);
       return report;
     }
     hold_again.dismiss();  // from here on an exception leaves the gradients to the next step
@@ -341,12 +354,20 @@ class Trainer : public detail::TrainerCheckpoints<P> {
   // gradients are forgotten.
   void restart_from(const detail::TrainerCounters& counters) {
     counters_ = counters;
-    pending_ = 0;
-    loss_sum_ = at::Tensor();
+    forget_accumulation();
     last_graph_ = at::Tensor();
     consecutive_skips_ = 0;
     buffers_synced_ = false;
     calls_ = counters_.micro_batches;  // the same on every rank that loaded this checkpoint
+  }
+
+  // The micro-batches since the last optimizer step, dropped: their losses, their gradients
+  // (held or, sharded, in the buckets, which the next first micro-batch overwrites) and fp8's
+  // amaxes. StepReport::micro_batch starts at 1 again: on_step's observers reset with it.
+  void forget_accumulation() {
+    pending_ = 0;
+    loss_sum_ = at::Tensor();
+    fp8_.finish_step(/*stepped=*/false);
     tensors_.clear_grads(*optimizer_);
   }
 
@@ -378,7 +399,9 @@ class Trainer : public detail::TrainerCheckpoints<P> {
     MIXPREC_CHECK(pending_ == 0, "the optimizer's tensors changed in the middle of an "
                   "accumulation (", pending_, " of ", options_.accumulation_steps(),
                   " micro-batches): add param groups or assign a new optimizer between "
-                  "optimizer steps");
+                  "optimizer steps. Nothing was changed: to go on, drop the accumulated "
+                  "micro-batches with trainer.drop_accumulation(), and the next step() adopts "
+                  "the optimizer");
     tensors_.adopt(*model_, *optimizer_);
     if (data_parallel_) tensors_.bind(*data_parallel_, *model_);  // the new masters' averages
   }
