@@ -286,7 +286,7 @@ class TrainerCheckpoints {
     Fp8Layers::apply_state(fp8_state);
     t.fp8_.finish_step(/*stepped=*/false);  // an accumulation's amaxes belong to another run
     t.scaler_ = std::move(scaler);
-    t.schedule_.apply(schedule);  // after the optimizer's options, which hold the lrs
+    t.schedule_.apply(schedule, *t.optimizer_);  // after the optimizer's options, which hold the lrs
     t.restart_from(loaded.counters);
     return std::move(loaded.user);
   }
