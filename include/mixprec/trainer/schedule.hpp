@@ -280,6 +280,13 @@ class LrSchedule {
                   "than the Trainer's; build it on the optimizer you pass to the Trainer");
   }
 
+  // Whether a param group keeps its options object when the optimizer's vector of groups grows
+  // (LibTorch 2.x moves the groups). LibTorch 1.13's groups have no move constructor: the copy
+  // clones their options, and add_param_group gives every earlier group a new one; its
+  // optimizers cannot be assigned either, so there the groups beyond the known ones are new.
+  static constexpr bool groups_keep_options =
+      std::is_nothrow_move_constructible_v<torch::optim::OptimizerParamGroup>;
+
   static std::vector<const void*> options_ids(const torch::optim::Optimizer& optimizer) {
     std::vector<const void*> ids;
     for (const auto& group : optimizer.param_groups()) ids.push_back(&group.options());
@@ -293,7 +300,9 @@ class LrSchedule {
     const auto ids = options_ids(optimizer);
     std::vector<std::size_t> fresh;
     for (std::size_t g = 0; g < ids.size(); ++g) {
-      if (g >= options_of_.size() || ids[g] != options_of_[g]) fresh.push_back(g);
+      if (g >= options_of_.size() || (groups_keep_options && ids[g] != options_of_[g])) {
+        fresh.push_back(g);
+      }
     }
     if (fresh.empty()) return false;
     if (factor_) {
