@@ -523,11 +523,16 @@ std::vector<double> train_batches(Model& model, const at::Tensor& x, const at::T
                                   std::int64_t steps, std::int64_t batch, double lr, OnStep&& on_step) {
   torch::optim::AdamW adam(model->parameters(), torch::optim::AdamWOptions(lr));
   std::map<std::string, at::Tensor> grads;
+  mp::Trainer<P>* self = nullptr;
   mp::Trainer<P> trainer(model, adam, mp::TrainerOptions().on_step([&](const mp::StepReport&) {
-    for (const auto& item : model->named_parameters()) {
-      if (item.value().grad().defined()) grads[item.key()] = item.value().grad().clone();
+    // The step's gradients (the masters' under MixedO2, unscaled), in the model's dtype: the
+    // bf16 values torchao's p.grad holds (bf16 -> fp32 -> bf16 is exact).
+    for (const auto& item : self->gradients()) {
+      const auto dtype = model->named_parameters()[item.key()].scalar_type();
+      grads[item.key()] = item.value().value.to(dtype).clone();
     }
   }));
+  self = &trainer;
   on_step(-1, at::Tensor(), grads);  // before the first step
   std::vector<double> losses;
   for (std::int64_t step = 0; step < steps; ++step) {
