@@ -18,6 +18,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <csignal>
@@ -2329,11 +2330,186 @@ void case_sharded_load(Rank& r) {
   RANK_EXPECT(identical(unsharded_values(built), snapshot(other->parameters())), "load_state_dict");
 }
 
+// What on_step's gradients() gives on each rank (trainer/step_gradients.hpp): the gradient
+// every rank stepped with, unscaled, the average over the ranks, by the model's names; sharded,
+// this rank's part of it. The reference: the fp32 gradient of every rank's micro-batches at
+// the step's weights, computed by each rank on an fp32 copy of the model.
+template <class P>
+void check_step_gradients(Rank& r, int stage, int accumulation, std::optional<double> clip) {
+  auto net = dyadic_net(3);
+  auto optimizer = sgd_for(net);
+  auto distributed = mp::DistributedOptions(r.group)
+                         .shard_optimizer_state(stage >= 1)
+                         .shard_gradients(stage >= 2);
+  auto options = mp::TrainerOptions().accumulation_steps(accumulation).max_grad_norm(clip).distributed(distributed);
+  if constexpr (!std::is_same_v<typename P::scaler_type, mp::NoScaler>) {
+    options.scaler(mp::GradScalerOptions().init_scale(65536.0));
+  }
+  std::map<std::string, torch::Tensor> reference;
+  int read = 0;
+  mp::Trainer<P>* seen = nullptr;
+  options.on_step([&](const mp::StepReport& report) {
+    if (report.status == mp::StepStatus::accumulating) return;
+    RANK_EXPECT(report.stepped(), "");
+    const auto grads = seen->gradients();
+    const double coefficient = clip ? std::min(1.0, *clip / (*report.grad_norm + 1e-6)) : 1.0;
+    RANK_EXPECT(!clip || coefficient < 0.5, coefficient);
+    double diff = 0, want_sum = 0;
+    std::size_t parts = 0;
+    for (const auto& [name, expected] : reference) {
+      const auto* got = grads.find(name);
+      if (got == nullptr) {
+        RANK_EXPECT(stage >= 1, "no gradient for " << name);  // sharded: a rank may hold none
+        continue;
+      }
+      RANK_EXPECT(got->part == (stage >= 1), name);
+      auto want = expected * coefficient;
+      if (got->part) want = want.reshape({-1}).narrow(0, got->offset, got->value.numel());
+      diff += (got->value.to(torch::kFloat) - want).pow(2).sum().template item<double>();
+      want_sum += want.pow(2).sum().template item<double>();
+      parts += static_cast<std::size_t>(got->value.numel());
+      // The model's own .grad(): this rank's, not the average, under sharding or masters: none.
+      const auto& own = net->named_parameters()[name].grad();
+      if (stage >= 1 || P::master_weights) RANK_EXPECT(!own.defined(), name);
+      if (stage == 0 && !P::master_weights) {
+        RANK_EXPECT(own.defined() && identical(own, got->value), name);
+      }
+    }
+    const double rel = std::sqrt(diff / want_sum);
+    RANK_EXPECT(rel <= (std::is_same_v<P, mp::FullPrecision> ? 1e-6 : 0.05),
+                P::name << " stage " << stage << " accumulation " << accumulation << ": " << rel);
+    RANK_EXPECT(parts > 0, "");
+    ++read;
+  });
+  mp::Trainer<P> trainer(net, *optimizer, options);
+  seen = &trainer;
+  auto gen = at::detail::createCPUGenerator(5);
+  for (int k = 0; k < 2; ++k) {
+    // Every rank's micro-batches, drawn alike on every rank; this rank trains its own.
+    std::vector<std::vector<Batch>> all(static_cast<std::size_t>(r.world));
+    for (auto& rank_batches : all) {
+      for (int i = 0; i < accumulation; ++i) rank_batches.push_back({dyadic({4, 8}, gen), dyadic({4, 4}, gen)});
+    }
+    Net copy(false);
+    {
+      torch::NoGradGuard no_grad;
+      for (auto& item : copy->named_parameters()) {
+        item.value().copy_(net->named_parameters()[item.key()].to(torch::kFloat));
+      }
+    }
+    for (const auto& rank_batches : all) {
+      for (const auto& b : rank_batches) {
+        ((copy->forward(b.x) - b.y).pow(2).mean() / static_cast<double>(accumulation * r.world)).backward();
+      }
+    }
+    reference.clear();
+    for (const auto& [name, p] : mp::detail::unique_named(copy->named_parameters())) {
+      if (p.grad().defined()) reference[name] = p.grad();  // the tied weight under its first name
+    }
+    for (const auto& b : all[static_cast<std::size_t>(r.rank)]) {
+      trainer.step([&] { return loss_of(trainer, net, b); });
+    }
+  }
+  RANK_EXPECT(read == 2, read);
+}
+
+// ZeRO-3 (the units' weights released between steps, their pieces the only copy): the units'
+// gradients too, this rank's part, by the model's names. The reference's weights are
+// fp32_state_dict()'s (a unit's model tensor holds no bytes between steps).
+template <class P>
+void check_unit_step_gradients(Rank& r, int accumulation, std::optional<double> clip) {
+  auto net = dyadic_unit_net(2000 + r.rank);  // rank 0's values reach every rank
+  torch::optim::SGD optimizer(net->parameters(), torch::optim::SGDOptions(1.0 / 32));
+  auto options = options_for<P>(accumulation)
+                     .max_grad_norm(clip)
+                     .distributed(zero_options(r, 2).shard_parameters(kUnits));
+  std::map<std::string, torch::Tensor> reference;
+  std::set<std::string> seen_names;
+  int read = 0;
+  mp::Trainer<P>* seen = nullptr;
+  options.on_step([&](const mp::StepReport& report) {
+    if (report.status == mp::StepStatus::accumulating) return;
+    RANK_EXPECT(report.stepped(), "");
+    const auto grads = seen->gradients();
+    const double coefficient = clip ? std::min(1.0, *clip / (*report.grad_norm + 1e-6)) : 1.0;
+    double diff = 0, want_sum = 0;
+    for (const auto& item : grads) {
+      const auto& got = item.value();
+      RANK_EXPECT(reference.count(item.key()) == 1, "not trained: " << item.key());
+      RANK_EXPECT(got.part, item.key());
+      const auto want = (reference.at(item.key()) * coefficient).reshape({-1}).narrow(0, got.offset, got.value.numel());
+      diff += (got.value.to(torch::kFloat) - want).pow(2).sum().template item<double>();
+      want_sum += want.pow(2).sum().template item<double>();
+      seen_names.insert(item.key());
+      RANK_EXPECT(!net->named_parameters()[item.key()].grad().defined(), item.key());
+    }
+    const double rel = std::sqrt(diff / want_sum);
+    std::cerr << "rank " << r.rank << " ZeRO-3 " << P::name << " accumulation " << accumulation
+              << ": gradients() against the fp32 gradient, relative difference " << rel << "\n";
+    RANK_EXPECT(rel <= (std::is_same_v<P, mp::FullPrecision> ? 1e-6 : 0.05), P::name << " " << rel);
+    ++read;
+  });
+  mp::Trainer<P> trainer(net, optimizer, options);
+  seen = &trainer;
+  auto gen = at::detail::createCPUGenerator(5);
+  for (int k = 0; k < 2; ++k) {
+    std::vector<std::vector<Batch>> all(static_cast<std::size_t>(r.world));
+    for (auto& rank_batches : all) {
+      for (int i = 0; i < accumulation; ++i) rank_batches.push_back({dyadic({4, 8}, gen), dyadic({4, 4}, gen)});
+    }
+    UnitNet copy;
+    {
+      // The weights the forward pass computes with: under MixedO2 the masters' rounding.
+      const auto values = trainer.fp32_state_dict();  // collective
+      torch::NoGradGuard no_grad;
+      for (auto& item : copy->named_parameters()) {
+        const auto& value = values[item.key()];
+        item.value().copy_(P::master_weights ? value.to(P::low_dtype).to(torch::kFloat) : value);
+      }
+    }
+    for (const auto& rank_batches : all) {
+      for (const auto& b : rank_batches) {
+        ((copy->forward(b.x) - b.y).pow(2).mean() / static_cast<double>(accumulation * r.world)).backward();
+      }
+    }
+    reference.clear();
+    for (const auto& item : copy->named_parameters()) {
+      if (item.value().grad().defined()) reference[item.key()] = item.value().grad();
+    }
+    for (const auto& b : all[static_cast<std::size_t>(r.rank)]) {
+      trainer.step([&] {
+        return (net->forward(trainer.cast_input(b.x)).to(torch::kFloat) - b.y).pow(2).mean();
+      });
+    }
+  }
+  RANK_EXPECT(read == 2, read);
+  // Over the ranks the parts cover every trained tensor; this rank holds some of the units'.
+  RANK_EXPECT(std::any_of(seen_names.begin(), seen_names.end(),
+                          [](const std::string& n) { return n.rfind("h1.", 0) == 0 || n.rfind("out.", 0) == 0; }),
+              "no unit's gradient on this rank");
+}
+
+void case_on_step_gradients(Rank& r) {
+  for (const int stage : {0, 1, 2}) {
+    for (const int accumulation : {1, 2}) {
+      check_step_gradients<mp::FullPrecision>(r, stage, accumulation, std::nullopt);
+      check_step_gradients<ScaledO2>(r, stage, accumulation, std::nullopt);
+    }
+    check_step_gradients<mp::MixedO2<at::BFloat16>>(r, stage, 2, 0.05);
+  }
+  for (const int accumulation : {1, 2}) {
+    check_unit_step_gradients<mp::FullPrecision>(r, accumulation, std::nullopt);
+    check_unit_step_gradients<ScaledO2>(r, accumulation, std::nullopt);
+  }
+  check_unit_step_gradients<mp::MixedO2<at::BFloat16>>(r, 2, 0.05);
+}
+
 const std::map<std::string, std::function<void(Rank&)>>& rank_cases() {
   static const std::map<std::string, std::function<void(Rank&)>> cases{
       {"equivalence", [](Rank& x) { case_equivalence(x, 1); }},
       {"accumulation", [](Rank& x) { case_equivalence(x, 2); }},
       {"local_nan", case_local_nan},
+      {"on_step_gradients", case_on_step_gradients},
       {"overflow", case_overflow},
       {"unused", case_unused},
       {"mismatch", case_mismatch},
@@ -2571,6 +2747,11 @@ TEST_CASE("distributed: N ranks x batch B train as 1 process x batch N*B, for ev
 
 TEST_CASE("distributed: with accumulation, gradients travel on the last micro-batch only") {
   require_all_passed(run_ranks("accumulation", 2));
+}
+
+TEST_CASE("distributed: on_step's gradients() are the averaged, unscaled ones by name; sharded, "
+          "this rank's part (ZeRO-1, 2 and 3, accumulation, clipping)") {
+  require_all_passed(run_ranks("on_step_gradients", 2));
 }
 
 TEST_CASE("distributed: a NaN loss on one rank skips the step on every rank") {

@@ -105,6 +105,15 @@ class DataParallel final : public detail::StepGroup {
   /// Whether the optimizer steps this rank's shard only (DistributedOptions::shard_optimizer_state).
   bool sharded() const noexcept override { return reducer_.sharded(); }
 
+  /// Sharded: this rank's piece of `param` and where it starts in the flattened tensor.
+  at::Tensor piece_of(const at::Tensor& param, std::int64_t& offset) const override {
+    const auto& layout = reducer_.layout();
+    const auto i = layout.find(param);
+    if (i == detail::BucketLayout::npos) return {};
+    offset = layout.slots()[i].piece_from;
+    return layout.slots()[i].piece;
+  }
+
   /// Sharded: lays out the optimizer's tensors listed in `fresh` in buckets sliced across the
   /// ranks, and replaces each of them in the optimizer by this rank's piece of it
   /// (ShardedOptimizer::shard). Collective; bind() hooks the gradients next.

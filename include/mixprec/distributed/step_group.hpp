@@ -85,6 +85,12 @@ class StepGroup {
 
   /// Whether the optimizer steps this rank's shard only.
   virtual bool sharded() const noexcept { return false; }
+  /// Sharded: this rank's piece of model tensor `param` (what the optimizer steps in its place;
+  /// its gradient is this rank's slice of the average), and in `offset` where the piece starts
+  /// in the flattened tensor; undefined where this rank holds none of it.
+  virtual at::Tensor piece_of(const at::Tensor& /*param*/, std::int64_t& /*offset*/) const {
+    return {};
+  }
   /// Lays out the optimizer's tensors that `fresh` lists ((model tensor, its fp32 value before
   /// the cast: needed where `copies` and the tensor is not fp32)) and puts this rank's pieces
   /// of them in their place in the optimizer, kept as `storage` says. Collective.

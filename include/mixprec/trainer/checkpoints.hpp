@@ -321,7 +321,7 @@ class TrainerCheckpoints {
     Fp8Layers::apply_state(small.fp8);
     t.fp8_.finish_step(/*stepped=*/false);  // an accumulation's amaxes belong to another run
     t.scaler_ = std::move(small.scaler);
-    t.schedule_.apply(small.schedule);
+    t.schedule_.apply(small.schedule, *t.optimizer_);  // after the optimizer's options
     t.restart_from(counters);
   }
 

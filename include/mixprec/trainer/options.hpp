@@ -47,6 +47,10 @@ struct StepReport {
   double scale = 1.0;                ///< the loss scale this step used
   std::optional<double> grad_norm;   ///< total gradient norm, when clipping (max_grad_norm)
   std::int64_t step = 0;             ///< optimizer steps so far (taken or skipped)
+  /// Which micro-batch of its optimizer step this is, 1 to accumulation_steps. 1 starts a
+  /// step: what an on_step observer sums over a step's micro-batches starts over there (after
+  /// load() or drop_accumulation() too, which drop the micro-batches accumulated before).
+  std::int64_t micro_batch = 1;
   /// The learning rate of the optimizer's first param group for this optimizer step: the one
   /// its update used (or would have, when skipped); while accumulating, the one it will use.
   /// NaN for an optimizer whose options have no get_lr().

@@ -218,6 +218,17 @@ class TrainedTensors {
   }
   /// The model tensors' gradients only.
   void clear_model_grads() const { detail::clear_grads(params_); }
+  /// After an optimizer step, the gradients of the model tensors that the optimizer stepped
+  /// through another tensor (an fp32 master, sharded pieces), which hold the step's gradient:
+  /// what a model tensor has there is a stand-in (scaled Low values, or this rank's own).
+  void clear_stand_in_grads() const {
+    if (shards_ != nullptr) return detail::clear_grads(params_);
+    if (!masters_) return;
+    for (const auto& p : params_) {
+      const auto master = masters_->master_of(p);
+      if (master.defined() && !master.is_same(p)) p.mutable_grad().reset();
+    }
+  }
   /// Between micro-batches: the partial sums out of reach of an optimizer (GradientHold).
   void hold_grads(const torch::optim::Optimizer& optimizer) {
     held_.hold(params_, optimizer, masters());
