@@ -7,6 +7,8 @@
 
 #include <mixprec/core/error.hpp>
 
+#include <charconv>
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <string>
@@ -68,6 +70,18 @@ struct Json {
       out += c;
     }
     return out + "\"";
+  }
+
+  /// `value` as JSON text that reads back as the same double: an integer where it is one (as
+  /// Python's json writes PEFT's lora_alpha), else the shortest exact digits; NaN and the
+  /// infinities, which JSON has no number for, as the strings "nan", "inf", "-inf".
+  static std::string number(double value) {
+    if (!std::isfinite(value)) return quoted(std::isnan(value) ? "nan" : value > 0 ? "inf" : "-inf");
+    if (value == std::floor(value) && std::fabs(value) < 1e15) {
+      return std::to_string(static_cast<long long>(value));
+    }
+    char text[32];
+    return std::string(text, std::to_chars(text, text + sizeof text, value).ptr);
   }
 };
 

@@ -34,17 +34,6 @@ namespace detail {
 
 inline constexpr const char* kPeftPrefix = "base_model.model.";
 
-// A double as JSON: an integer where it is one (PEFT's lora_alpha is an int), else the
-// shortest text that reads back as it.
-inline std::string json_number(double value) {
-  if (value == std::floor(value) && std::fabs(value) < 1e15) {
-    return std::to_string(static_cast<long long>(value));
-  }
-  char text[32];
-  const auto end = std::to_chars(text, text + sizeof text, value).ptr;
-  return std::string(text, end);
-}
-
 // The modules whose parameters train besides the adapters (PEFT's modules_to_save).
 inline std::vector<std::string> trained_modules(const torch::nn::Module& model) {
   std::vector<std::string> modules;
@@ -129,8 +118,8 @@ inline void save_lora_adapter(const torch::nn::Module& model, const std::string&
       "{\n  \"peft_type\": \"LORA\",\n  \"task_type\": null,\n  \"base_model_name_or_path\": " +
       (base_model_name_or_path.empty() ? std::string("null")
                                        : detail::json_string(base_model_name_or_path)) +
-      ",\n  \"r\": " + std::to_string(rank) + ",\n  \"lora_alpha\": " + detail::json_number(alpha) +
-      ",\n  \"lora_dropout\": " + detail::json_number(first.dropout()) +
+      ",\n  \"r\": " + std::to_string(rank) + ",\n  \"lora_alpha\": " + detail::Json::number(alpha) +
+      ",\n  \"lora_dropout\": " + detail::Json::number(first.dropout()) +
       ",\n  \"use_rslora\": false,\n  \"target_modules\": [" + targets +
       "],\n  \"modules_to_save\": " + (saved.empty() ? std::string("null") : "[" + saved + "]") +
       ",\n  \"bias\": \"none\",\n  \"fan_in_fan_out\": false,\n  \"init_lora_weights\": true,\n"

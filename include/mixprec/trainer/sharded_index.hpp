@@ -88,14 +88,6 @@ inline std::string hex64(std::uint64_t value) {
   return text;
 }
 
-/// A double as JSON: 17 significant digits (exact), or a string where JSON has no number.
-inline std::string json_number(double value) {
-  if (!std::isfinite(value)) return Json::quoted(std::isnan(value) ? "nan" : value > 0 ? "inf" : "-inf");
-  char text[32];
-  std::snprintf(text, sizeof text, "%.17g", value);
-  return text;
-}
-
 inline std::string index_json(const ShardIndex& index) {
   std::string out = "{\n  \"format\": " + Json::quoted(kShardedFormat) +
                     ",\n  \"version\": " + std::to_string(kShardedVersion) +

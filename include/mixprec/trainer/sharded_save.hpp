@@ -263,7 +263,7 @@ inline std::string index_summary(const std::string& archive_bytes) {
     for (const auto& item : scaler.toGenericDict()) {
       if (!item.key().isString()) continue;
       const auto& v = item.value();
-      const auto value = v.isDouble() ? json_number(v.toDouble())
+      const auto value = v.isDouble() ? Json::number(v.toDouble())
                          : v.isInt()  ? std::to_string(v.toInt())
                          : v.isBool() ? std::string(v.toBool() ? "true" : "false")
                                       : Json::quoted(v.tagKind());
@@ -279,7 +279,7 @@ inline std::string index_summary(const std::string& archive_bytes) {
     out += ",\n  \"lr_schedule\": {\"kind\": " + Json::quoted(kind.toStringRef()) +
            ", \"count\": " + std::to_string(count.item<std::int64_t>()) + ", \"base_lrs\": [";
     for (std::int64_t i = 0; i < base_lrs.numel(); ++i) {
-      out += (i ? ", " : "") + json_number(base_lrs[i].item<double>());
+      out += (i ? ", " : "") + Json::number(base_lrs[i].item<double>());
     }
     out += "]}";
   }
