@@ -63,6 +63,7 @@ struct CountingGroup : mp::ProcessGroup {
   c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors,
                                            const c10d::AllreduceOptions& options) override {
     ++calls;
+    for (const auto& t : tensors) allreduced_bytes += static_cast<std::int64_t>(t.nbytes());
     return inner_->allreduce(tensors, options);
   }
   c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors,
@@ -78,6 +79,7 @@ struct CountingGroup : mp::ProcessGroup {
   }
   const std::string getBackendName() const override { return inner_->getBackendName(); }
   int calls = 0;
+  std::int64_t allreduced_bytes = 0;
 
  private:
   c10::intrusive_ptr<mp::ProcessGroup> inner_;
@@ -2504,6 +2506,117 @@ void case_on_step_gradients(Rank& r) {
   check_unit_step_gradients<mp::MixedO2<at::BFloat16>>(r, 2, 0.05);
 }
 
+// ---------------------------------------------------------------- LoRA under data parallel
+
+// Two adapted layers on a frozen base and a head trained whole (LoraOptions::trainable), as
+// examples/encoder fine-tunes with --lora.
+struct LoraNetImpl : torch::nn::Module {
+  LoraNetImpl() {
+    fc1 = register_module("fc1", mp::nn::Linear(8, 32));
+    fc2 = register_module("fc2", mp::nn::Linear(32, 32));
+    head = register_module("head", mp::nn::Linear(32, 4));
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    x = torch::relu(fc1->forward(x));
+    x = torch::relu(fc2->forward(x));
+    return head->forward(x);
+  }
+  mp::nn::Linear fc1{nullptr}, fc2{nullptr}, head{nullptr};
+};
+TORCH_MODULE(LoraNet);
+
+// The base from `seed` (rank 0's reaches every rank), the adapters from LoraOptions' own seed.
+LoraNet lora_net(std::uint64_t seed, mp::LoraBase base) {
+  torch::manual_seed(static_cast<std::int64_t>(seed));
+  LoraNet net;
+  mp::apply_lora(net.ptr(), {"fc1", "fc2"},
+                 mp::LoraOptions().rank(4).alpha(8).seed(5).base(base).trainable({"head"}));
+  return net;
+}
+
+struct LoraRun {
+  std::vector<torch::Tensor> trained;  // fp32 values of the trained tensors, by name
+  std::vector<torch::Tensor> frozen;   // the frozen base, as stored
+};
+
+// Four AdamW steps under MixedO2<BFloat16>, with clipping: in one process on the whole batch
+// (`r` null), or on this rank's rows; `stage` 0: unsharded data parallel over `counter`, 2: ZeRO-2.
+LoraRun train_lora(Rank* r, mp::LoraBase base, int stage, const std::vector<Batch>& data,
+                   const c10::intrusive_ptr<CountingGroup>& counter = {}) {
+  using P = mp::MixedO2<at::BFloat16>;
+  auto net = lora_net(r == nullptr ? 1000 : 1000 + static_cast<std::uint64_t>(r->rank), base);
+  torch::optim::AdamW optimizer(mp::trainable_parameters(*net),
+                                torch::optim::AdamWOptions(1.0 / 32).weight_decay(1.0 / 64).eps(1.0 / 1024));
+  auto options = mp::TrainerOptions().max_grad_norm(1.0);
+  if (r != nullptr) {
+    options.distributed(stage == 0 ? mp::DistributedOptions(counter)
+                                   : zero_options(*r, stage));
+  }
+  mp::Trainer<P> trainer(net, optimizer, options);
+  const std::int64_t rows = data.front().x.size(0) / (r == nullptr ? 1 : r->world);
+  const std::int64_t begin = r == nullptr ? 0 : r->rank * rows;
+  LoraRun run;
+  std::int64_t trained_elements = 0, frozen_elements = 0;
+  for (const auto& p : net->parameters()) (p.requires_grad() ? trained_elements : frozen_elements) += p.numel();
+  for (const auto& batch : data) {
+    const auto x = batch.x.narrow(0, begin, rows), y = batch.y.narrow(0, begin, rows);
+    const auto before = counter ? counter->allreduced_bytes : 0;
+    const auto report = trainer.step(
+        [&] { return (net->forward(trainer.cast_input(x)).to(torch::kFloat) - y).pow(2).mean(); });
+    RANK_EXPECT(report.status == mp::StepStatus::stepped, "a step did not step");
+    if (counter) {
+      // The adapters' and the head's gradients in fp32, and a flag: no byte of the base.
+      const auto bytes = counter->allreduced_bytes - before;
+      std::cerr << "rank " << r->rank << ": a step reduced " << bytes << " bytes; trained "
+                << trained_elements << " elements, frozen " << frozen_elements << "\n";
+      RANK_EXPECT(bytes >= 4 * trained_elements && bytes <= 4 * trained_elements + 64, bytes);
+    }
+  }
+  for (const auto& item : net->named_parameters()) {
+    const auto& p = item.value();
+    if (p.requires_grad()) continue;
+    RANK_EXPECT(!p.grad().defined(), item.key() << ": the frozen base has a gradient");
+    run.frozen.push_back(p.detach().clone());
+  }
+  const auto named = net->named_parameters();
+  for (const auto& item : trainer.fp32_state_dict()) {  // buffers too (the fp8 base's scales)
+    const auto* p = named.find(item.key());
+    if (p != nullptr && p->requires_grad()) run.trained.push_back(item.value().clone());
+  }
+  if (stage == 0) {
+    // No master and no moment of the base: the optimizer's state is the trained tensors'.
+    const auto bytes = trainer.state_bytes();
+    RANK_EXPECT(bytes.masters == 4 * trained_elements, bytes.masters << " of " << 4 * trained_elements);
+    RANK_EXPECT(bytes.optimizer == 8 * trained_elements, bytes.optimizer << " for " << trained_elements);
+  }
+  return run;
+}
+
+// apply_lora's model on 2 ranks, each half of the batch, trains as one process on the whole
+// batch: the adapters and the head within MixedO2's data-parallel bound, the frozen base
+// (bf16, and fp8 where LibTorch has it) bitwise rank 0's, reduced never; ZeRO-2 likewise.
+void case_lora(Rank& r) {
+  const auto data = batches(4, 16, /*inf_step=*/-1);
+  std::vector<mp::LoraBase> bases{mp::LoraBase::bf16};
+  if constexpr (mp::has_fp8) bases.push_back(mp::LoraBase::fp8_rowwise);
+  for (const auto base : bases) {
+    const auto single = train_lora(nullptr, base, 0, data);
+    for (const int stage : {0, 2}) {
+      auto counter = c10::make_intrusive<CountingGroup>(r.group);
+      const auto dist = train_lora(&r, base, stage, data, stage == 0 ? counter : nullptr);
+      const double difference = max_relative(dist.trained, single.trained);
+      std::cerr << "rank " << r.rank << " LoRA, base " << mp::detail::lora_base_name(base)
+                << ", ZeRO-" << stage << ": max relative difference " << difference
+                << " of the trained tensors\n";
+      RANK_EXPECT(dist.trained.size() == single.trained.size() && dist.trained.size() == 6,
+                  dist.trained.size());
+      RANK_EXPECT(difference <= 0.05, difference);
+      RANK_EXPECT(identical(dist.frozen, single.frozen), "the frozen base is not rank 0's");
+      RANK_EXPECT(same_on_every_rank(r, dist.trained), "ranks differ");
+    }
+  }
+}
+
 const std::map<std::string, std::function<void(Rank&)>>& rank_cases() {
   static const std::map<std::string, std::function<void(Rank&)>> cases{
       {"equivalence", [](Rank& x) { case_equivalence(x, 1); }},
@@ -2524,6 +2637,7 @@ const std::map<std::string, std::function<void(Rank&)>>& rank_cases() {
       {"evaluate", case_evaluate},
       {"mapped", case_mapped},
       {"checkpointed", case_checkpointed},
+      {"lora", case_lora},
       {"ddp_reference_fp32", case_ddp_reference<mp::FullPrecision>},
       {"ddp_reference_bf16", case_ddp_reference<mp::MixedO1<at::BFloat16>>},
       {"zero_reference", case_ddp_reference<mp::FullPrecision, /*zero=*/true>},
@@ -2845,6 +2959,10 @@ TEST_CASE("distributed: a module a precision map keeps fp32 trains as in one pro
 
 TEST_CASE("distributed: checkpointed blocks train as without checkpointing, bitwise (accumulation, ZeRO-1)") {
   require_all_passed(run_ranks("checkpointed", 2));
+}
+
+TEST_CASE("distributed: LoRA on a frozen bf16 (and fp8) base, 2 ranks x half the batch train as 1 process (MixedO2<BFloat16>, unsharded and ZeRO-2); the base never reduced") {
+  require_all_passed(run_ranks("lora", 2));
 }
 
 TEST_CASE("distributed: buffers as DDP's: rank 0's at each step's first micro-batch and before evaluate()") {

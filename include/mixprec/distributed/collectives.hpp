@@ -34,11 +34,12 @@ void run_collective(int rank, const char* what, Launch&& launch) {
   }
 }
 
-/// A copy is a copy of bits: 16-bit floats travel as bytes, which every backend takes
-/// (LibTorch 1.13's Gloo refuses bf16, and int16).
+/// A copy is a copy of bits: floats narrower than fp32 travel as bytes, which every backend
+/// takes (LibTorch 1.13's Gloo refuses bf16, and int16; no Gloo takes fp8, a LoRA base's dtype).
 inline at::Tensor as_bits(const at::Tensor& t) {
   const auto dtype = t.scalar_type();
-  return dtype == at::kBFloat16 || dtype == at::kHalf ? t.reshape({-1}).view(at::kByte) : t;
+  const bool narrow_float = at::isFloatingType(dtype) && dtype != at::kFloat && dtype != at::kDouble;
+  return narrow_float ? t.reshape({-1}).view(at::kByte) : t;
 }
 
 /// The inverse of as_bits, to the dtype and shape of `like`.
