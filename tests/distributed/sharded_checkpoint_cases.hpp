@@ -398,6 +398,84 @@ void case_bad_inputs(Rank& r) {
   RANK_EXPECT(identical(values_of(s.trainer.fp32_state_dict()), fp32_at_save), "the previous checkpoint");
 }
 
+// ---- a model built unit by unit (ShardedBuild), saved sharded, resumed at another world size
+
+using BuiltPolicy = mp::MixedO2<at::BFloat16>;
+constexpr int kBuiltSteps = 4;  // 2 before the save, 2 after it
+
+// test_distributed.cpp's BuildNet: built in shards over `r`'s group under ZeRO-3 (its units
+// the blocks and the head), or built whole in one plain process (`r` null).
+struct Built {
+  BuildNet net;
+  torch::optim::AdamW optimizer;
+  mp::Trainer<BuiltPolicy> trainer;
+  Built(Rank* r, std::int64_t seed)
+      : net(r != nullptr ? built_in_shards(r->group, seed) : whole(seed)),
+        optimizer(net->parameters(),
+                  torch::optim::AdamWOptions(1.0 / 32).weight_decay(0.0625).eps(1.0 / 1024)),
+        trainer(net, optimizer,
+                r != nullptr ? options_of<BuiltPolicy>().distributed(
+                                   zero_options(*r, 2).shard_parameters(kBuildUnits))
+                             : options_of<BuiltPolicy>()) {}
+  static BuildNet whole(std::int64_t seed) {
+    torch::manual_seed(seed);
+    return BuildNet();
+  }
+  void step(int k, int rank, int world) {
+    const auto data = batches(kBuiltSteps, kZeroRows, /*inf_step=*/-1);
+    const auto rows = kZeroRows / world;
+    const auto x = data[static_cast<std::size_t>(k)].x.narrow(0, rank * rows, rows);
+    const auto y = data[static_cast<std::size_t>(k)].y.narrow(0, rank * rows, rows);
+    trainer.step([&] { return (net->forward(trainer.cast_input(x)).to(torch::kFloat) - y).pow(2).mean(); });
+  }
+  std::vector<torch::Tensor> fp32() { return values_of(trainer.fp32_state_dict()); }
+};
+
+// Against the uninterrupted run on 2 ranks: another world size sums the rows' gradients in
+// another grouping, rounded to bf16 on each rank (MixedO2's data-parallel bound).
+constexpr double kBuiltTolerance = 0.05;
+
+// 2 ranks: built, 2 steps, saved, 2 more (the uninterrupted run); resumed on 2 ranks from a
+// model built from another seed, bitwise. 3 ranks (after): resumed, its 2 steps against it.
+void case_built(Rank& r) {
+  const auto root = fs::path(r.dir).parent_path();
+  const auto dir = (root / "built").string();
+  if (r.world == 2) {
+    Built s(&r, 11);
+    for (int k = 0; k < 2; ++k) s.step(k, r.rank, r.world);
+    s.trainer.save(dir);
+    const auto saved = s.fp32();
+    for (int k = 2; k < kBuiltSteps; ++k) s.step(k, r.rank, r.world);
+    const auto uninterrupted = s.fp32();
+    if (r.rank == 0) {
+      torch::save(saved, (root / "built_saved.pt").string());
+      torch::save(uninterrupted, (root / "built_uninterrupted.pt").string());
+    }
+    Built again(&r, 12);
+    again.trainer.load(dir);
+    RANK_EXPECT(identical(again.fp32(), saved), "resumed on 2 ranks, the state differs from the saved one");
+    for (int k = 2; k < kBuiltSteps; ++k) again.step(k, r.rank, r.world);
+    RANK_EXPECT(identical(again.fp32(), uninterrupted), "resumed on 2 ranks, the run differs");
+    return;
+  }
+  std::vector<torch::Tensor> saved, uninterrupted;
+  torch::load(saved, (root / "built_saved.pt").string());
+  torch::load(uninterrupted, (root / "built_uninterrupted.pt").string());
+  Built s(&r, 12);  // other weights: the load must replace every piece
+  s.trainer.load(dir);
+  RANK_EXPECT(s.trainer.stats().steps == 2, s.trainer.stats().steps);
+  const auto loaded = s.fp32();
+  const double at_load = max_relative(loaded, saved);
+  RANK_EXPECT(identical(loaded, saved), "resumed on " << r.world << " ranks, the state differs from "
+              "the saved one by " << at_load);
+  for (int k = 2; k < kBuiltSteps; ++k) s.step(k, r.rank, r.world);
+  const double difference = max_relative(s.fp32(), uninterrupted);
+  std::cerr << "rank " << r.rank << " x" << r.world << ": built in shards, resumed from 2 ranks: "
+            << "at the load " << at_load << ", after 2 steps " << difference
+            << " (max relative difference from the uninterrupted run)\n";
+  RANK_EXPECT(difference <= kBuiltTolerance, difference);
+}
+
 // ---- the streamed fp32 export, for Python
 
 void case_export(Rank& r) {
@@ -444,6 +522,7 @@ const std::map<std::string, std::function<void(Rank&)>>& cases() {
         {"ckpt_kill_cleanup", case_kill_cleanup},
         {"ckpt_bad_inputs", case_bad_inputs},
         {"ckpt_export", case_export},
+        {"ckpt_built", case_built},
         {"ckpt_netns_save", case_netns_save},
         {"ckpt_netns_resume", case_netns_resume},
     };
@@ -552,4 +631,23 @@ TEST_CASE("sharded checkpoint: the fp32 export streamed from 3 ZeRO-3 ranks load
                        " " + (dir / "ckpt").string();
   CHECK(streamed.size() == 10);
   REQUIRE(std::system(command.c_str()) == 0);
+}
+
+TEST_CASE("sharded checkpoint: a model built unit by unit (ShardedBuild) on 2 ranks, saved sharded, resumes on 2 (bitwise), 3 and in one process as the uninterrupted run") {
+  const auto root = fresh_dir("ckpt_built");
+  require_all_passed(run_ranks("ckpt_built", 2, std::chrono::seconds(240), root / "x2"));
+  require_all_passed(run_ranks("ckpt_built", 3, std::chrono::seconds(240), root / "x3"));
+  // One plain process, the model built whole.
+  std::vector<torch::Tensor> saved, uninterrupted;
+  torch::load(saved, (root / "built_saved.pt").string());
+  torch::load(uninterrupted, (root / "built_uninterrupted.pt").string());
+  ckpt::Built s(nullptr, 13);
+  s.trainer.load((root / "built").string());
+  CHECK(s.trainer.stats().steps == 2);
+  CHECK(identical(s.fp32(), saved));
+  for (int k = 2; k < ckpt::kBuiltSteps; ++k) s.step(k, 0, 1);
+  const double difference = max_relative(s.fp32(), uninterrupted);
+  MESSAGE("one process, resumed from 2 ranks: max relative difference ", difference,
+          " from the uninterrupted run");
+  CHECK(difference <= ckpt::kBuiltTolerance);
 }
