@@ -154,7 +154,10 @@ inline void write_safetensors(const std::string& path, std::vector<SafetensorsSl
     header += (header.size() > 1 ? "," : "") + json_string(slot.name) + ":{\"dtype\":\"" +
               std::string(codes[i]) + "\",\"shape\":[";
     for (std::size_t d = 0; d < slot.shape.size(); ++d) {
-      header += (d ? "," : "") + std::to_string(slot.shape[d]);
+      // Appended in two parts: GCC 12 at -O3 takes `"," + std::string` for an overflowing
+      // memcpy (-Wstringop-overflow, its bug 105651), an error under -Werror.
+      if (d > 0) header += ',';
+      header += std::to_string(slot.shape[d]);
     }
     header += "],\"data_offsets\":[" + std::to_string(offset) + "," +
               std::to_string(offset + sizes[i]) + "]}";
