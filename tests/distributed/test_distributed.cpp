@@ -2539,14 +2539,15 @@ struct LoraRun {
   std::vector<torch::Tensor> frozen;   // the frozen base, as stored
 };
 
-// Four AdamW steps under MixedO2<BFloat16>, with clipping: in one process on the whole batch
+// Four SGD steps with momentum under MixedO2<BFloat16>, with clipping (SGD, as the other
+// equivalence cases: AdamW's normalisation lifts a gradient's rounding on an element near zero
+// to a whole step, measured 0.10 relative under LibTorch 1.13's bf16 kernels): in one process on the whole batch
 // (`r` null), or on this rank's rows; `stage` 0: unsharded data parallel over `counter`, 2: ZeRO-2.
 LoraRun train_lora(Rank* r, mp::LoraBase base, int stage, const std::vector<Batch>& data,
                    const c10::intrusive_ptr<CountingGroup>& counter = {}) {
   using P = mp::MixedO2<at::BFloat16>;
   auto net = lora_net(r == nullptr ? 1000 : 1000 + static_cast<std::uint64_t>(r->rank), base);
-  torch::optim::AdamW optimizer(mp::trainable_parameters(*net),
-                                torch::optim::AdamWOptions(1.0 / 32).weight_decay(1.0 / 64).eps(1.0 / 1024));
+  torch::optim::SGD optimizer(mp::trainable_parameters(*net), torch::optim::SGDOptions(1.0 / 16).momentum(0.5));
   auto options = mp::TrainerOptions().max_grad_norm(1.0);
   if (r != nullptr) {
     options.distributed(stage == 0 ? mp::DistributedOptions(counter)
@@ -2584,10 +2585,10 @@ LoraRun train_lora(Rank* r, mp::LoraBase base, int stage, const std::vector<Batc
     if (p != nullptr && p->requires_grad()) run.trained.push_back(item.value().clone());
   }
   if (stage == 0) {
-    // No master and no moment of the base: the optimizer's state is the trained tensors'.
+    // No master and no momentum of the base: the optimizer's state is the trained tensors'.
     const auto bytes = trainer.state_bytes();
     RANK_EXPECT(bytes.masters == 4 * trained_elements, bytes.masters << " of " << 4 * trained_elements);
-    RANK_EXPECT(bytes.optimizer == 8 * trained_elements, bytes.optimizer << " for " << trained_elements);
+    RANK_EXPECT(bytes.optimizer == 4 * trained_elements, bytes.optimizer << " for " << trained_elements);
   }
   return run;
 }
@@ -2603,7 +2604,7 @@ void case_lora(Rank& r) {
     const auto single = train_lora(nullptr, base, 0, data);
     for (const int stage : {0, 2}) {
       auto counter = c10::make_intrusive<CountingGroup>(r.group);
-      const auto dist = train_lora(&r, base, stage, data, stage == 0 ? counter : nullptr);
+      const auto dist = train_lora(&r, base, stage, data, stage == 0 ? counter : c10::intrusive_ptr<CountingGroup>());
       const double difference = max_relative(dist.trained, single.trained);
       std::cerr << "rank " << r.rank << " LoRA, base " << mp::detail::lora_base_name(base)
                 << ", ZeRO-" << stage << ": max relative difference " << difference
