@@ -3,6 +3,7 @@
 /// the capability flags that follow from them; no other header tests the version.
 
 #include <ATen/ATen.h>
+#include <ATen/Version.h>
 #include <ATen/autocast_mode.h>
 #include <c10/core/DeviceType.h>
 #include <c10/core/ScalarType.h>
@@ -110,6 +111,17 @@ inline void set_autocast_state(c10::DeviceType device, AutocastState state) {
     at::autocast::set_autocast_gpu_dtype(state.dtype);
     at::autocast::set_enabled(state.enabled);
   }
+#endif
+}
+
+/// The CPU capability ATen's kernels dispatch to: "DEFAULT", "AVX2", "AVX512" on x86-64 (the
+/// ATEN_CPU_CAPABILITY environment variable lowers it); empty where LibTorch cannot say (< 2.4,
+/// which has no fused Adam kernel to agree with).
+inline std::string aten_cpu_capability() {
+#if MIXPREC_TORCH_AT_LEAST(2, 4)
+  return at::get_cpu_capability();
+#else
+  return {};
 #endif
 }
 
