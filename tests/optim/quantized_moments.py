@@ -21,6 +21,9 @@ The step runs eagerly: torch.compile is the identity (the arithmetic is the same
 would spend a minute in the C++ compiler). OUTPUT gets, after each step S and for each tensor
 K: S.K.p, and per moment (exp_avg, exp_avg_sq, max_exp_avg_sq) S.K.NAME.codes and .scale for a
 quantized one, S.K.NAME for a plain one.
+
+MODE train: the C++ test's model trained by torchao's optimizer in bf16 with stochastic
+rounding (mixprec's), step by step (train()).
 """
 import sys
 
@@ -142,6 +145,52 @@ def adam_steps(data):
     return out
 
 
+class Net(torch.nn.Module):
+    """tests/optim/test_quantized_trainer.cpp's Net: the same parameters, names and forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(32, 128)
+        self.ln = torch.nn.LayerNorm(128)
+        self.fc2 = torch.nn.Linear(128, 40)
+        self.fc3 = torch.nn.Linear(40, 4)
+        self.fc4 = torch.nn.Linear(128, 33)
+
+    def forward(self, x):
+        h = self.ln(torch.relu(self.fc1(x)))
+        return self.fc3(torch.relu(self.fc2(h))) + self.fc4(h).narrow(1, 0, 4)
+
+
+def train(data):
+    """MODE train: Net (its weights param.NAME) cast to bf16, trained by torchao's `optimizer`
+    with bf16_stochastic_round=True (mixprec's rounding, keys sr_keys[step, k] for the k-th
+    parameter) on batches x.STEP, y.STEP; OUTPUT: loss.STEP, and after the last step p.NAME
+    and the moments of each parameter (as state_entries names them, behind NAME)."""
+    model = Net()
+    model.load_state_dict({k[len("param."):]: v for k, v in data.items() if k.startswith("param.")})
+    model = model.to(torch.bfloat16)
+    cls = getattr(torchao.optim, data["optimizer"])
+    optimizer = cls(model.parameters(), lr=float(data["lr"]),
+                    weight_decay=float(data["weight_decay"]), bf16_stochastic_round=True)
+    keys = []
+    original = adam._fp32_to_bf16_sr
+    adam._fp32_to_bf16_sr = lambda x: mixprec_sr(int(keys.pop(0)) & MASK32)(x)
+    out = {}
+    for step in range(int(data["steps"])):
+        keys[:] = [int(v) for v in data["sr_keys"][step].tolist()]
+        optimizer.zero_grad()
+        x, y = data[f"x.{step}"], data[f"y.{step}"]
+        loss = torch.nn.functional.cross_entropy(model(x.bfloat16()).float(), y)
+        loss.backward()
+        optimizer.step()
+        out[f"loss.{step}"] = loss.detach().clone()
+    adam._fp32_to_bf16_sr = original
+    for name, p in model.named_parameters():
+        out[f"p.{name}"] = p.detach().clone()
+        out.update(state_entries(name, optimizer.state[p]))
+    return out
+
+
 def main():
     mode, input_path, output_path = sys.argv[1:4]
     data = torch.load(input_path, weights_only=False)
@@ -149,6 +198,8 @@ def main():
         out = codec(data)
     elif mode == "adam":
         out = adam_steps(data)
+    elif mode == "train":
+        out = train(data)
     else:
         raise SystemExit(f"unknown mode {mode}")
     torch.save(out, output_path)

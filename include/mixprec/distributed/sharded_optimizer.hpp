@@ -199,6 +199,12 @@ class ShardedOptimizer {
   std::optional<LeanTarget> lean_target(const at::Tensor& piece) {
     return lean_ ? lean_->target(reducer_.layout(), piece) : std::nullopt;
   }
+  /// The elements of the whole tensor `piece` is of (itself: its own).
+  std::int64_t whole_numel(const at::Tensor& piece) const {
+    const auto it = piece_slot_.find(piece.unsafeGetTensorImpl());
+    return it == piece_slot_.end() ? piece.numel()
+                                   : reducer_.layout().slots()[it->second].param.numel();
+  }
   /// Lean pieces: every piece's fp32 value, for a step or a checkpoint (and its moments fp32,
   /// for a step).
   void inflate_pieces() {

@@ -217,6 +217,9 @@ class TrainerCheckpoints {
     write_state(archive, parts(view), t.counters_, c10::IValue(t.scaler_.state_dict()), rngs,
                 user);
     if constexpr (fp8_policy<P>) archive.write("mixprec.fp8", c10::IValue(t.fp8_.state_dict()));
+    if constexpr (quantized_moments<P>) {  // the format of the moments' rows
+      archive.write("mixprec.moments", c10::IValue(moment_coding_name(moment_coding_of<P>)));
+    }
     if (const auto* lean = t.tensors_.lean()) {
       archive.write("mixprec.rounding",
                     at::tensor({static_cast<std::int64_t>(lean->seed()),
@@ -237,6 +240,18 @@ class TrainerCheckpoints {
                   "rounding (two int64 values); the file is damaged");
     return {static_cast<std::uint64_t>(saved[0].item<std::int64_t>()),
             static_cast<std::uint64_t>(saved[1].item<std::int64_t>())};
+  }
+
+  // The block format of the checkpoint's moments; plain where it records none (every other
+  // storage's checkpoints, and those written before block formats existed).
+  static MomentCoding read_moments(torch::serialize::InputArchive& archive,
+                                   const std::string& source) {
+    c10::IValue saved;
+    if (!archive.try_read("mixprec.moments", saved)) return {};
+    const auto coding = saved.isString() ? moment_coding_named(saved.toStringRef()) : std::nullopt;
+    MIXPREC_CHECK(coding.has_value(), "checkpoint '", source, "': mixprec.moments names no block "
+                  "format of Adam's moments (Moments8bit<256>, ...); the file is damaged");
+    return *coding;
   }
 
   // load(path) and load(archive): a param group added since the last step (or a new optimizer)
@@ -272,15 +287,17 @@ class TrainerCheckpoints {
       fp8_state = t.fp8_.check_state(saved, source, /*recipe_recorded=*/loaded.policy_settings);
     }
     const auto rounding = read_rounding(archive, source, t.options_.rounding_seed());
+    const auto moments = read_moments(archive, source);
     commit();  // every rank has read and checked all of it
     if (view) {  // sharded: read into the full view, then each rank takes its slices
       apply_state(loaded, *view->optimizer);
+      recode_moments(*view->optimizer, moments, moment_coding_of<P>);
       t.data_parallel_->scatter_state(*view->optimizer);
       t.data_parallel_->stow_loaded_pieces();
     } else {
       LeanLoad<P> lean(t.tensors_.masters(), *t.optimizer_);  // the masters' values land in fp32 data
       apply_state(loaded, *t.optimizer_);
-      lean.loaded();
+      lean.loaded(moments);
     }
     if (auto* lean = t.tensors_.lean()) lean->set_rounding(rounding[0], rounding[1]);
     Fp8Layers::apply_state(fp8_state);

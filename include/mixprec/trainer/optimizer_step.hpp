@@ -18,6 +18,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <functional>
 #include <optional>
 
 namespace mixprec::detail {
@@ -63,20 +64,23 @@ struct OptimizerStep {
   std::optional<double> grad_norm;  ///< the total unscaled gradient norm, when clipping
 };
 
+/// A one-pass step over what a storage keeps, gradients divided by its argument (lean_step.hpp's
+/// one_pass_step_of: lean_adam_step, quantized_adam_step).
+using OnePassStep = std::function<void(const at::Tensor&)>;
+
 /// Unscales, checks, clips, and steps or skips (`fused`: through ATen's fused Adam/AdamW, which
 /// divides by the scale itself); the engine is ready for the next step whatever happens.
-/// `lean`: the lean masters (or sharded, pieces) that the fused step updates in one pass
-/// (lean_adam_step; `narrow_moments`: their moments are bf16) instead of ATen's kernel.
+/// `one_pass`: the step that updates what a lean storage keeps in one pass instead of ATen's
+/// kernel (it divides by the scale too).
 inline OptimizerStep take_optimizer_step(StepEngine& engine, torch::optim::Optimizer& optimizer,
                                          const UnscalePlan& plan, bool fused,
-                                         const LeanTargets& lean = {},
-                                         bool narrow_moments = false) {
+                                         const OnePassStep& one_pass = {}) {
   OptimizerStep result;
   try {
-    if (fused) {
+    if (fused || one_pass) {
       const auto done = engine.step_fused(optimizer, plan, [&](const at::Tensor& scale) {
-        if (lean) {
-          lean_adam_step(optimizer, lean, scale, narrow_moments);
+        if (one_pass) {
+          one_pass(scale);
         } else {
           fused_adam_step(optimizer, scale);
         }
