@@ -6,6 +6,7 @@
 #include <mixprec/optim/master_weights.hpp>
 #include <mixprec/optim/block_quantize.hpp>
 #include <mixprec/optim/quantized_adam.hpp>
+#include <mixprec/optim/quantized_moments.hpp>
 #include <mixprec/optim/fused_adam.hpp>
 #include <mixprec/optim/lean_adam.hpp>
 #include <mixprec/optim/lean_adam_step.hpp>

@@ -1595,6 +1595,131 @@ void case_zero3_equivalence(Rank& r) {
       r, 1, std::nullopt, 1e-6, /*checkpointing=*/true, false, /*fused=*/true, /*built_low=*/true);
 }
 
+// Adam's moments in a block format, sharded: tensors of 4096 and 8192 elements (quantized) beside
+// small ones, in buckets small enough that the big ones straddle the ranks and large enough that
+// they share a bucket with the small (their offsets rounded up to a block). Each rank's piece
+// is whole blocks, coded alone: ZeRO-1, 2 and 3 train as unsharded data parallel, bit for bit
+// over 2 ranks; a sharded checkpoint holds the rows an unsharded run saves, and resumes from one.
+struct QNetImpl : torch::nn::Module {
+  QNetImpl() {
+    in = register_module("in", torch::nn::Linear(16, 256));
+    h = register_module("h", mp::nn::Mappable<torch::nn::Linear>(256, 32));
+    out = register_module("out", mp::nn::Mappable<torch::nn::Linear>(32, 4));
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    return out->forward(torch::relu(h->forward(torch::relu(in->forward(x)))));
+  }
+  torch::nn::Linear in{nullptr};
+  mp::nn::Mappable<torch::nn::Linear> h{nullptr}, out{nullptr};
+};
+TORCH_MODULE(QNet);
+
+QNet dyadic_qnet(std::uint64_t seed) {
+  torch::manual_seed(static_cast<std::int64_t>(seed));
+  QNet net;
+  auto gen = at::detail::createCPUGenerator(seed);
+  torch::NoGradGuard no_grad;
+  for (auto& p : net->parameters()) p.copy_(torch::randint(-1, 2, p.sizes(), gen, torch::kFloat) / 4.0);
+  return net;
+}
+
+struct QuantizedRun {
+  std::vector<std::vector<torch::Tensor>> fp32;  // fp32_state_dict() after each step
+};
+
+// `stage` 0 (unsharded data parallel) to 3; `big_buckets`: caps that put small and quantized
+// tensors in one bucket. `save`: the checkpoint written after the last step; `resume`: loaded
+// before the last step instead of training the ones before.
+template <class P>
+QuantizedRun train_quantized(Rank& r, int stage, bool big_buckets, int steps,
+                             const std::string& save = "", const std::string& resume = "") {
+  auto net = dyadic_qnet(3000 + r.rank);  // rank 0's values reach every rank
+  torch::optim::AdamW optimizer(net->parameters(), torch::optim::AdamWOptions(1.0 / 32).weight_decay(0.0625));
+  auto distributed = zero_options(r, std::min(stage, 2));
+  if (big_buckets) distributed.first_bucket_cap_mb(0.02).bucket_cap_mb(0.05);
+  if (stage == 3) distributed.shard_parameters({"h", "out"});
+  mp::Trainer<P> trainer(net, optimizer, mp::TrainerOptions().max_grad_norm(0.5).distributed(distributed));
+  const auto data = batches(steps, 4 * r.world, /*inf_step=*/-1);
+  QuantizedRun run;
+  for (int k = 0; k < steps; ++k) {
+    if (!resume.empty() && k + 1 < steps) continue;
+    if (!resume.empty()) trainer.load(resume);
+    const auto x = data[static_cast<std::size_t>(k)].x.narrow(0, 4 * r.rank, 4).repeat({1, 2});
+    const auto y = data[static_cast<std::size_t>(k)].y.narrow(0, 4 * r.rank, 4);
+    trainer.step([&] { return (net->forward(trainer.cast_input(x)).to(torch::kFloat) - y).pow(2).mean(); });
+    run.fp32.push_back(values_of(trainer.fp32_state_dict()));
+  }
+  if (!save.empty()) trainer.save(save);
+  return run;
+}
+
+// The moments a checkpoint holds, loaded into one process's trainer of P.
+template <class P>
+std::vector<torch::Tensor> checkpoint_moments(const std::string& path) {
+  auto net = dyadic_qnet(1);
+  torch::optim::AdamW optimizer(net->parameters(), torch::optim::AdamWOptions(1.0 / 32));
+  mp::Trainer<P> trainer(net, optimizer);
+  trainer.load(path);
+  std::vector<torch::Tensor> result;
+  for (const auto& group : optimizer.param_groups()) {
+    for (const auto& p : group.params()) {
+      auto& states = optimizer.state();
+      const auto& s = static_cast<torch::optim::AdamWParamState&>(
+          *states.at(mp::detail::state_key<std::decay_t<decltype(states)>>(p)));
+      result.push_back(s.exp_avg());
+      result.push_back(s.exp_avg_sq());
+    }
+  }
+  for (const auto& m : trainer.master_weights()) result.push_back(m);
+  return result;
+}
+
+template <class P>
+void quantized_equivalence(Rank& r) {
+  constexpr int kSteps = 4;
+  const auto dir = std::filesystem::path(r.dir);
+  for (const bool big : {false, true}) {
+    const auto plain = train_quantized<P>(r, 0, big, kSteps, (dir / "q_plain.ckpt").string());
+    for (const int stage : {1, 2, 3}) {
+      const auto saved = (dir / ("q_stage" + std::to_string(stage) + ".ckpt")).string();
+      const auto sharded = train_quantized<P>(r, stage, big, kSteps, saved);
+      const auto name = "ZeRO-" + std::to_string(stage) + " " + std::string(P::name) +
+                        (big ? " (small and quantized tensors in one bucket)" : "");
+      double worst = 0;
+      std::size_t exact = 0;
+      for (std::size_t k = 0; k < plain.fp32.size(); ++k) {
+        worst = std::max(worst, max_relative(sharded.fp32[k], plain.fp32[k]));
+        exact += identical(sharded.fp32[k], plain.fp32[k]) ? 1 : 0;
+      }
+      // Every rank has written its part of both files (save() returns once rank 0 wrote).
+      const bool same_file = identical(checkpoint_moments<P>(saved),
+                                       checkpoint_moments<P>((dir / "q_plain.ckpt").string()));
+      std::cerr << "rank " << r.rank << " x" << r.world << " " << name << ": vs unsharded, max "
+                << "relative difference " << worst << " in the fp32 weights, " << exact << " of "
+                << kSteps << " steps bitwise; checkpoint's moments and masters "
+                << (same_file ? "identical" : "differ") << "\n";
+      RANK_EXPECT(same_on_every_rank(r, sharded.fp32.back()), name << ": ranks differ");
+      if (r.world == 2) {
+        RANK_EXPECT(exact == kSteps && same_file, name << ": not bitwise");
+      } else {  // 3 ranks: sums grouped otherwise can move a code by one step
+        RANK_EXPECT(worst <= 1.0 / 128, name);
+      }
+    }
+    // A sharded run resumed from the unsharded run's checkpoint (its rows sliced to pieces)
+    // takes the last step as the unsharded run took it.
+    const auto resumed = train_quantized<P>(r, 2, big, kSteps, "", (dir / "q_plain.ckpt").string());
+    const auto unsharded = train_quantized<P>(r, 0, big, kSteps, "", (dir / "q_plain.ckpt").string());
+    RANK_EXPECT(identical(resumed.fp32.back(), unsharded.fp32.back()) || r.world != 2,
+                P::name << ": resumed sharded from an unsharded checkpoint, not bitwise");
+    RANK_EXPECT(max_relative(resumed.fp32.back(), unsharded.fp32.back()) <= 1.0 / 128, P::name);
+  }
+}
+
+void case_quantized_equivalence(Rank& r) {
+  quantized_equivalence<mp::MixedO2<at::BFloat16, mp::RemainderMasters<mp::Moments8bit<>>>>(r);
+  quantized_equivalence<mp::PureHalf<at::BFloat16, mp::StochasticRounding<mp::Moments4bit<>>>>(r);
+}
+
 // Checkpoints of sharded parameters: `zero3_save` (3 ranks) saves after step 3 and goes on to
 // step 6; `zero3_resume` loads it at any world size and trains steps 3..5 on the same global
 // batches, `zero3_resume_unsharded` as unsharded data parallel. Each writes its final fp32
@@ -1727,6 +1852,7 @@ const std::map<std::string, std::function<void(Rank&)>>& rank_cases() {
       {"lean_resume_unsharded", case_lean_resume_unsharded},
       {"zero_checkpoint_errors", case_zero_checkpoint_errors},
       {"zero3_equivalence", case_zero3_equivalence},
+      {"quantized_equivalence", case_quantized_equivalence},
       {"zero3_save", case_zero3_save},
       {"zero3_kill", case_zero3_kill},
       {"zero3_resume", case_zero3_resume},
@@ -2118,6 +2244,10 @@ TEST_CASE("distributed, sharded: 2 and 3 ranks train as the unsharded run (ZeRO-
 
 TEST_CASE("distributed, sharded parameters: 2 and 3 ranks train as unsharded data parallel (FullPrecision, MixedO2, MixedO1; accumulation, clipping, skips, checkpointing)") {
   require_passed_on_2_and_3("zero3_equivalence");
+}
+
+TEST_CASE("distributed, sharded: Adam's moments in block formats, ZeRO-1, 2 and 3 train as unsharded data parallel and save its rows (2 ranks bitwise, 3 ranks)") {
+  require_passed_on_2_and_3("quantized_equivalence");
 }
 
 TEST_CASE("distributed, sharded: each rank holds its slices' masters and Adam state (ZeRO-2: and gradients), together every element once") {

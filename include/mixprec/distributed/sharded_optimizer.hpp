@@ -125,7 +125,8 @@ class ShardedOptimizer {
     // before the backward pass ends.
     for (std::size_t n = 0; n <= units; ++n) {
       const auto k = n < units ? units - 1 - n : units;
-      const auto range = reducer_.lay_out(by_unit[k], by_unit[k], /*allocate=*/false);
+      const auto range = reducer_.lay_out(by_unit[k], by_unit[k], /*allocate=*/false,
+                                          storage.moments.block);
       layout.slice(range, comm_.world_size());
       if (k < units) ranges[k] = range;
     }
@@ -193,6 +194,8 @@ class ShardedOptimizer {
     gather_into_model(reducer_.layout().all());
   }
 
+  /// The block format of Adam's moments (plain: none), whose rows gather_state moves whole.
+  MomentCoding moments() const noexcept { return storage_.moments; }
   /// A lean storage's pieces (null: none), their rounding's seed and count.
   LeanMasters* lean_rounding() noexcept { return lean_ ? &lean_->rounding() : nullptr; }
   /// A lean piece's bf16 value and what is kept of it, for the one-pass step.
