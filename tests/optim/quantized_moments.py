@@ -166,6 +166,7 @@ def train(data):
     with bf16_stochastic_round=True (mixprec's rounding, keys sr_keys[step, k] for the k-th
     parameter) on batches x.STEP, y.STEP; OUTPUT: loss.STEP, and after the last step p.NAME
     and the moments of each parameter (as state_entries names them, behind NAME)."""
+    torch.set_num_threads(1)  # as the C++ side: the gradients reduced in one order
     model = Net()
     model.load_state_dict({k[len("param."):]: v for k, v in data.items() if k.startswith("param.")})
     model = model.to(torch.bfloat16)

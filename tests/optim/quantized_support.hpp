@@ -26,6 +26,19 @@ inline constexpr bool kNoTorchao = !mixprec::has_fp8;
 
 using Entries = std::vector<std::pair<std::string, c10::IValue>>;
 
+/// ATen's thread count set for a scope and restored after it: a test that steps with two
+/// threads must not leave the ones after it reducing in another order than their Python side.
+class ThreadsFor {
+ public:
+  explicit ThreadsFor(int threads) : saved_(at::get_num_threads()) { at::set_num_threads(threads); }
+  ~ThreadsFor() { at::set_num_threads(saved_); }
+  ThreadsFor(const ThreadsFor&) = delete;
+  ThreadsFor& operator=(const ThreadsFor&) = delete;
+
+ private:
+  int saved_;
+};
+
 /// `mode` of quantized_moments.py on `inputs`; its output dict.
 inline c10::impl::GenericDict run_torchao(const std::string& mode, const Entries& inputs) {
   c10::impl::GenericDict dict(c10::StringType::get(), c10::AnyType::get());

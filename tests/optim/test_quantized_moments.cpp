@@ -274,7 +274,7 @@ void check_steps_against_torchao(const AdamCase& c) {
 
 TEST_CASE("quantized Adam and AdamW: each step's weights, codes and scales are torchao's "
           "(AdamW8bit, Adam8bit, AdamW4bit, AdamWFp8), bit for bit" * doctest::skip(kNoTorchao)) {
-  torch::set_num_threads(2);
+  const test::ThreadsFor threads(2);  // the chunks stepped in parallel
   check_steps_against_torchao({"AdamW8bit", {MomentFormat::dynamic8, 256}});
   check_steps_against_torchao({"Adam8bit", {MomentFormat::dynamic8, 256}, /*adamw=*/false});
   check_steps_against_torchao({"AdamW4bit", {MomentFormat::dynamic4, 128}});

@@ -361,6 +361,8 @@ TEST_CASE("block formats: an optimizer whose moments they cannot keep is an Erro
 TEST_CASE_TEMPLATE("block formats: PureHalf<BFloat16, StochasticRounding<format>> trains as "
                    "torchao's low-bit AdamW on a bf16 model, bit for bit" * doctest::skip(test::kNoTorchao),
                    P, Q8Stochastic, Q4Stochastic, Fp8Stochastic) {
+  // One thread, as the Python side: the model's gradients reduced in one order.
+  const test::ThreadsFor threads(1);
   constexpr auto coding = mp::detail::moment_coding_of<P>;
   const char* optimizer_name = coding.format == MomentFormat::dynamic8
                                    ? "AdamW8bit"

@@ -154,7 +154,7 @@ inline void load_moment(const QuantizedAdamTensors& t, const void* slot, bool is
   const auto block = t.moments.block;
   const auto stride = row_bytes(t.moments.format, block);
   const auto* rows = static_cast<const std::uint8_t*>(slot) + (begin / block) * stride;
-  const float* map = quant_map(t.moments.format, is_signed);
+  const auto* map = quant_map(t.moments.format, is_signed);
   quant::dispatch(t.moments.format, [&](auto format) {
     for (std::int64_t r = 0; r * block < n; ++r) {
       dequantize_row<decltype(format)::value>(rows + r * stride, block, map, out + r * block);
@@ -176,7 +176,7 @@ inline void store_moment(const QuantizedAdamTensors& t, void* slot, bool is_sign
   const auto block = t.moments.block;
   const auto stride = row_bytes(t.moments.format, block);
   auto* rows = static_cast<std::uint8_t*>(slot) + (begin / block) * stride;
-  const float* map = quant_map(t.moments.format, is_signed);
+  const auto* map = quant_map(t.moments.format, is_signed);
   quant::dispatch(t.moments.format, [&](auto format) {
     for (std::int64_t r = 0; r * block < n; ++r) {
       quantize_row<decltype(format)::value>(in + r * block, block, map, rows + r * stride);
@@ -365,8 +365,13 @@ inline std::vector<std::int64_t> quantized_adam_update(QuantizedAdamTensors t,
   std::mutex mutex;
   at::parallel_for(0, chunks, std::max<std::int64_t>(1, kGrainSize / chunk),
                    [&](std::int64_t first, std::int64_t last) {
-    std::vector<float> buffer(static_cast<std::size_t>(qadam::kScratchArrays * chunk));
-    std::vector<std::uint8_t> down(static_cast<std::size_t>(chunk));
+    // Kept from call to call: a fresh 300 KB buffer would be mapped and zeroed every time.
+    thread_local std::vector<float> buffer;
+    thread_local std::vector<std::uint8_t> down;
+    if (buffer.size() < static_cast<std::size_t>(qadam::kScratchArrays * chunk)) {
+      buffer.resize(static_cast<std::size_t>(qadam::kScratchArrays * chunk));
+      down.resize(static_cast<std::size_t>(chunk));
+    }
     float* b = buffer.data();
     const qadam::Scratch k{b,             b + chunk,     b + 2 * chunk,
                            b + 3 * chunk, b + 4 * chunk, b + 5 * chunk,
