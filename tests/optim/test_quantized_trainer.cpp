@@ -10,6 +10,7 @@
 
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <filesystem>
 #include <functional>
@@ -392,6 +393,7 @@ TEST_CASE_TEMPLATE("block formats: PureHalf<BFloat16, StochasticRounding<format>
   torch::optim::AdamW optimizer(net->parameters(), torch::optim::AdamWOptions(lr).weight_decay(weight_decay));
   mp::Trainer<P> trainer(net, optimizer, mp::TrainerOptions().rounding_seed(kSeed));
   std::int64_t differ = 0, compared = 0;
+  double largest = 0;  // the largest weight difference
   for (int s = 0; s < kSteps; ++s) {
     const auto report = train_step(trainer, net, s);
     const at::Tensor theirs = test::entry(python, "loss." + std::to_string(s));
@@ -404,6 +406,9 @@ TEST_CASE_TEMPLATE("block formats: PureHalf<BFloat16, StochasticRounding<format>
     const auto& name = item.key();
     const auto off = test::bit_differences(item.value(), test::entry(python, "p." + name));
     if (off != 0) MESSAGE(name, ": ", off, " of ", item.value().numel(), " weights differ");
+    largest = std::max(largest, (item.value().to(at::kDouble) -
+                                 test::entry(python, "p." + name).to(at::kDouble))
+                                    .abs().max().item<double>());
     differ += off;
     compared += item.value().numel();
   }
@@ -430,6 +435,61 @@ TEST_CASE_TEMPLATE("block formats: PureHalf<BFloat16, StochasticRounding<format>
     }
   }
   MESSAGE(P::name, " vs torchao's ", std::string(optimizer_name), "(bf16_stochastic_round=True), ", kSteps,
-          " steps: ", compared, " weights, codes, scales and moments compared, ", differ, " differ");
+          " steps: ", compared, " weights, codes, scales and moments compared, ", differ,
+          " differ; largest weight difference ", largest);
   CHECK(differ == 0);
+}
+
+// Bytes per parameter between steps, summed from the tensors (Trainer::state_bytes): a model
+// of quantized tensors alone (two 16384-element weights) holds its bf16 weights (2 bytes), the
+// rows (8 bits: 2 x (256 + 4) / 256 = 2.03 bytes; 4 bits: 2 x (64 + 4) / 128 = 1.06; fp8 as
+// 8 bits), no gradient, and what the storage keeps of the masters (StochasticRounding: one
+// float per tensor; RemainderMasters: 2 bytes a parameter, and 8 bytes per tie that rounded
+// down).
+TEST_CASE("block formats: bytes per parameter between steps, from the tensors") {
+  constexpr std::int64_t kWidth = 128, kTensors = 2, kParams = kTensors * kWidth * kWidth;
+  const auto measure = [](auto policy_tag) {
+    using P = decltype(policy_tag);
+    torch::manual_seed(3);
+    torch::nn::Sequential net(torch::nn::Linear(torch::nn::LinearOptions(kWidth, kWidth).bias(false)),
+                              torch::nn::ReLU(),
+                              torch::nn::Linear(torch::nn::LinearOptions(kWidth, kWidth).bias(false)));
+    torch::optim::AdamW optimizer(net->parameters(), torch::optim::AdamWOptions(1e-3));
+    mp::Trainer<P> trainer(net, optimizer);
+    for (int s = 0; s < 2; ++s) {
+      auto g = at::make_generator<at::CPUGeneratorImpl>(40 + static_cast<std::uint64_t>(s));
+      const auto x = at::randn({4, kWidth}, g);
+      const auto y = at::randn({4, kWidth}, g);
+      trainer.step([&] { return torch::mse_loss(net->forward(trainer.cast_input(x)).to(at::kFloat), y); });
+    }
+    const auto bytes = trainer.state_bytes();
+    CHECK(bytes.optimizer_known);
+    CHECK(bytes.gradients == 0);
+    CHECK(bytes.weights == 2 * kParams);
+    return bytes;
+  };
+  const auto rows = [](MomentCoding coding) {
+    return 2 * (kParams / coding.block) * mp::detail::row_bytes(coding.format, coding.block);
+  };
+  const auto per_param = [](std::int64_t b) { return static_cast<double>(b) / kParams; };
+  const auto q8 = measure(Q8Stochastic{});
+  const auto q4 = measure(Q4Stochastic{});
+  const auto fp8 = measure(Fp8Stochastic{});
+  const auto rem = measure(Q8Remainder{});
+  CHECK(q8.optimizer == rows(mp::detail::moment_coding_of<Q8Stochastic>));
+  CHECK(q4.optimizer == rows(mp::detail::moment_coding_of<Q4Stochastic>));
+  CHECK(fp8.optimizer == rows(mp::detail::moment_coding_of<Fp8Stochastic>));
+  CHECK(rem.optimizer == q8.optimizer);
+  CHECK(per_param(q8.optimizer) == doctest::Approx(2.03125));
+  CHECK(per_param(q4.optimizer) == doctest::Approx(1.0625));
+  for (const auto& b : {q8, q4, fp8}) CHECK(b.masters == 4 * kTensors);
+  const auto ties = rem.masters - (2 * kParams + 4 * kTensors);
+  CHECK(ties >= 0);
+  CHECK(ties % 8 == 0);
+  CHECK(ties < kParams / 100);
+  MESSAGE("training state between steps, bytes per parameter (AdamW, bf16 weights): "
+          "StochasticRounding<Moments8bit> ", per_param(q8.total()), " (moments ",
+          per_param(q8.optimizer), "), <Moments4bit> ", per_param(q4.total()), " (",
+          per_param(q4.optimizer), "), <MomentsFp8> ", per_param(fp8.total()), " (",
+          per_param(fp8.optimizer), "); RemainderMasters<Moments8bit> ", per_param(rem.total()));
 }
