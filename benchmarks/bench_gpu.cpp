@@ -188,6 +188,7 @@ struct Memory {
 struct Measured {
   double ms = 0;
   double peak_mib = -1;
+  std::string skipped;  // why a row with ms 0 did not run ("": LibTorch's missing fp16 matmul)
 };
 
 struct Row {
@@ -254,13 +255,37 @@ Row row(std::string name, std::string python_mode, const Setup& s, bool checkpoi
           }};
 }
 
+// A block-scaled recipe's row (fp8/block_recipes.hpp), skipped where the block does not tile the
+// layers' features (d, 3d, 4d) or a step's tokens: the GEMMs run through _scaled_mm_v2 with block
+// scales where the GPU takes them (MXFP8 and NVFP4: sm_100; blockwise fp8: sm_90), emulated
+// otherwise (docs/fp8.md).
+template <class P>
+Row block_row(std::string name, const Setup& s) {
+  const auto block = P::recipe::block;
+  const bool fits = s.size.d % block == 0 && (s.size.batch * s.size.seq) % block == 0;
+  return {std::move(name), "", [&s, fits, block]() -> Measured {
+            if (!fits) {
+              Measured m;
+              m.skipped = "d or the tokens of a step not a multiple of the block, " + std::to_string(block);
+              return m;
+            }
+            return run_policy<P>(s, false, false);
+          }};
+}
+
 // (A template on the recipes only so that MixedFP8 is not compiled under LibTorch 1.13.)
-template <class Tensorwise, class Delayed, class Rowwise>
+template <class Tensorwise, class Delayed, class Rowwise, class MxFloor = mp::MXFP8Scaling<>,
+          class MxRceil = mp::MXFP8Scaling<mp::MxScale::rceil>, class Blockwise = mp::BlockwiseFP8Scaling,
+          class Nvfp4 = mp::NVFP4>
 void add_fp8_rows(std::vector<Row>& rows, const Setup& s) {
   if constexpr (mp::has_fp8) {
     rows.push_back(row<mp::MixedFP8<Tensorwise>>("MixedFP8 tensorwise", "fp8", s));
     rows.push_back(row<mp::MixedFP8<Delayed>>("MixedFP8 delayed", "", s));
     rows.push_back(row<mp::MixedFP8<Rowwise>>("MixedFP8 rowwise", "fp8_rowwise", s));
+    rows.push_back(block_row<mp::MixedFP8<MxFloor>>("MixedFP8 MXFP8 (FLOOR)", s));
+    rows.push_back(block_row<mp::MixedFP8<MxRceil>>("MixedFP8 MXFP8 (RCEIL)", s));
+    rows.push_back(block_row<mp::MixedFP8<Blockwise>>("MixedFP8 blockwise 1x128/128x128", s));
+    rows.push_back(block_row<mp::MixedFP8<Nvfp4>>("MixedFP8 NVFP4", s));
   }
 }
 
@@ -372,7 +397,9 @@ int run_size(Size size, c10::Device device, Memory& memory) {
       ++bad;
     }
     if (skipped) {
-      cells = "skipped: LibTorch " + std::string(mp::torch_version) + " has no fp16 matmul on the CPU | - | - | -";
+      cells = (m.skipped.empty() ? "skipped: LibTorch " + std::string(mp::torch_version) +
+                                       " has no fp16 matmul on the CPU"
+                                 : "skipped: " + m.skipped) + " | - | - | -";
     } else if (failure.empty()) {
       if (baseline_ms == 0) baseline_ms = m.ms;
       cells = bench::fixed(m.ms, 2) + " | " + bench::fixed(tokens / m.ms * 1000.0, 0) + " | " +

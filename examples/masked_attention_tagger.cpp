@@ -12,6 +12,10 @@
 //       mixprec::nn::Float8Linear, in fp8; the classifier stays bf16 (also fp32, bf16, fp8-delayed)
 //   masked_attention_tagger --compare               every policy from the same seed, as a table;
 //       exits 1 unless none of the fp8 ones is more than 1 point below FullPrecision's accuracy
+//       (NVFP4's 4-bit values are reported, not held to it)
+//   masked_attention_tagger --compare --width 128 --policies fp32,bf16,fp8,mxfp8,nvfp4
+//       the block-scaled recipes (mxfp8, mxfp8-rceil, blockwise, nvfp4) need widths their
+//       blocks tile: 32 (MXFP8), 128 (blockwise), 16 (NVFP4); the default width is 32
 //   masked_attention_tagger --advise                mixprec::advise's verdict on the model
 //   masked_attention_tagger --keep-fp32 PATTERN     (repeatable) a precision map: advise's for
 //       the policy, plus these modules kept in fp32 (e.g. `out`, the classifier), then train
@@ -25,6 +29,7 @@
 #include <cstdlib>
 #include <iomanip>
 #include <iostream>
+#include <sstream>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -99,10 +104,10 @@ struct Result {
 
 // Trains a fresh tagger (seed 0, the same data) under P for `steps` steps and tests it.
 template <class P>
-Result train(int steps, const std::vector<std::string>& keep_fp32, bool verbose) {
+Result train(int steps, const std::vector<std::string>& keep_fp32, bool verbose, std::int64_t width) {
   torch::manual_seed(0);
   auto generator = torch::make_generator<at::CPUGeneratorImpl>(1);
-  Tagger tagger(32);
+  Tagger tagger(width);
   const auto measure = [&] {  // before the Trainer casts the model: advise measures it in fp32
     return mixprec::advise(tagger, [&] {
       const auto batch = make_batch(32, generator);
@@ -147,37 +152,57 @@ Result train(int steps, const std::vector<std::string>& keep_fp32, bool verbose)
   return result;
 }
 
-// One policy by name: fp32, bf16 (the default), fp8, fp8-delayed. (A template on the recipes
-// only so that MixedFP8 is not compiled under LibTorch 1.13, which has no fp8.)
-template <class Tensorwise = mixprec::TensorwiseScaling, class Delayed = mixprec::DelayedScaling<>>
+// The policies that compute in a low-precision format: MixedFP8 with each recipe.
+bool low_bit(const std::string& policy) {
+  return policy.starts_with("fp8") || policy.starts_with("mxfp8") || policy == "blockwise" ||
+         policy == "nvfp4";
+}
+
+// One policy by name: fp32, bf16 (the default), fp8, fp8-delayed, mxfp8, mxfp8-rceil, blockwise,
+// nvfp4. (A template on the recipes only so that MixedFP8 is not compiled under LibTorch 1.13,
+// which has no fp8.)
+template <class Tensorwise = mixprec::TensorwiseScaling, class Delayed = mixprec::DelayedScaling<>,
+          class MxFloor = mixprec::MXFP8Scaling<>, class MxRceil = mixprec::MXFP8Scaling<mixprec::MxScale::rceil>,
+          class Blockwise = mixprec::BlockwiseFP8Scaling, class Nvfp4 = mixprec::NVFP4>
 Result train_named(const std::string& policy, int steps, const std::vector<std::string>& keep_fp32,
-                   bool verbose) {
-  if (policy == "fp32") return train<mixprec::FullPrecision>(steps, keep_fp32, verbose);
-  if (policy == "bf16") return train<mixprec::MixedO2<at::BFloat16>>(steps, keep_fp32, verbose);
+                   bool verbose, std::int64_t width) {
+  if (policy == "fp32") return train<mixprec::FullPrecision>(steps, keep_fp32, verbose, width);
+  if (policy == "bf16") return train<mixprec::MixedO2<at::BFloat16>>(steps, keep_fp32, verbose, width);
   if constexpr (mixprec::has_fp8) {
     // The classifier `out` stays bf16, as torchao and Transformer Engine advise for the last layer.
-    if (policy == "fp8") return train<mixprec::MixedFP8<Tensorwise>>(steps, keep_fp32, verbose);
-    if (policy == "fp8-delayed") return train<mixprec::MixedFP8<Delayed>>(steps, keep_fp32, verbose);
-  } else if (policy.starts_with("fp8")) {
+    if (policy == "fp8") return train<mixprec::MixedFP8<Tensorwise>>(steps, keep_fp32, verbose, width);
+    if (policy == "fp8-delayed") return train<mixprec::MixedFP8<Delayed>>(steps, keep_fp32, verbose, width);
+    if (policy == "mxfp8") return train<mixprec::MixedFP8<MxFloor>>(steps, keep_fp32, verbose, width);
+    if (policy == "mxfp8-rceil") return train<mixprec::MixedFP8<MxRceil>>(steps, keep_fp32, verbose, width);
+    if (policy == "blockwise") return train<mixprec::MixedFP8<Blockwise>>(steps, keep_fp32, verbose, width);
+    if (policy == "nvfp4") return train<mixprec::MixedFP8<Nvfp4>>(steps, keep_fp32, verbose, width);
+  } else if (low_bit(policy)) {
     throw std::runtime_error("fp8 needs LibTorch >= 2.5; this is LibTorch " +
                              std::string(mixprec::torch_version));
   }
-  throw std::runtime_error("unknown policy '" + policy + "' (fp32, bf16, fp8, fp8-delayed)");
+  throw std::runtime_error("unknown policy '" + policy + "' (fp32, bf16, fp8, fp8-delayed, mxfp8, "
+                           "mxfp8-rceil, blockwise, nvfp4)");
 }
 
 std::string policy_name(const std::string& policy) {
   if (policy == "fp32") return std::string(mixprec::FullPrecision::name);
   if (policy == "bf16") return std::string(mixprec::MixedO2<at::BFloat16>::name);
-  return policy == "fp8" ? "MixedFP8<TensorwiseScaling>" : "MixedFP8<DelayedScaling>";
+  if (policy == "fp8") return "MixedFP8<TensorwiseScaling>";
+  if (policy == "fp8-delayed") return "MixedFP8<DelayedScaling>";
+  if (policy == "mxfp8") return "MixedFP8<MXFP8Scaling<floor>>";
+  if (policy == "mxfp8-rceil") return "MixedFP8<MXFP8Scaling<rceil>>";
+  if (policy == "blockwise") return "MixedFP8<BlockwiseFP8Scaling>";
+  return "MixedFP8<NVFP4Scaling>";
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
   int steps = 400;
+  std::int64_t width = 32;
   bool advise = false, compare = false;
   std::string policy = "bf16";
-  std::vector<std::string> keep_fp32;
+  std::vector<std::string> keep_fp32, chosen;
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
     if (arg == "--steps" && i + 1 < argc) {
@@ -192,13 +217,19 @@ int main(int argc, char** argv) {
       policy = argv[++i];
     } else if (arg == "--keep-fp32" && i + 1 < argc) {
       keep_fp32.emplace_back(argv[++i]);
+    } else if (arg == "--width" && i + 1 < argc) {
+      width = std::atoll(argv[++i]);
+    } else if (arg == "--policies" && i + 1 < argc) {
+      std::stringstream list(argv[++i]);
+      for (std::string p; std::getline(list, p, ',');) chosen.push_back(p);
     } else {
       std::cerr << "usage: " << argv[0] << " [--steps N] [--smoke] [--advise] [--compare] "
-                << "[--policy fp32|bf16|fp8|fp8-delayed] [--keep-fp32 PATTERN]...\n";
+                << "[--policy fp32|bf16|fp8|fp8-delayed|mxfp8|mxfp8-rceil|blockwise|nvfp4] "
+                << "[--width D] [--policies P,P,...] [--keep-fp32 PATTERN]...\n";
       return 2;
     }
   }
-  if (steps < 1) {
+  if (steps < 1 || width < 1) {
     std::cerr << "usage: " << argv[0] << " [--steps N] [--smoke]   (N >= 1)\n";
     return 2;
   }
@@ -214,7 +245,7 @@ int main(int argc, char** argv) {
     return 0;
   }
   if (!compare) {
-    const auto r = train_named(policy, steps, keep_fp32, /*verbose=*/true);
+    const auto r = train_named(policy, steps, keep_fp32, /*verbose=*/true, width);
     std::cout << "test token accuracy " << r.accuracy << " (majority class " << r.majority << "), "
               << r.skipped << " skipped steps, policy " << policy_name(policy) << "\n";
     return r.accuracy > 0.85 ? 0 : 1;
@@ -222,15 +253,16 @@ int main(int argc, char** argv) {
   // Every policy from the same seed and data: no fp8 one may fall more than 1 point below fp32.
   std::vector<std::string> policies{"fp32", "bf16"};
   if (mixprec::has_fp8) policies.insert(policies.end(), {"fp8", "fp8-delayed"});
+  if (!chosen.empty()) policies = chosen;
   std::cout << "| policy | test token accuracy | vs FullPrecision | skipped steps | train s |\n"
             << "|---|---|---|---|---|\n";
   double reference = 0;
   bool within = true;
   for (const auto& p : policies) {
-    const auto r = train_named(p, steps, keep_fp32, /*verbose=*/false);
+    const auto r = train_named(p, steps, keep_fp32, /*verbose=*/false, width);
     if (p == "fp32") reference = r.accuracy;
     const double points = 100 * (r.accuracy - reference);
-    within = within && r.accuracy > 0.85 && (!p.starts_with("fp8") || points >= -1.0);
+    within = within && r.accuracy > 0.85 && (!low_bit(p) || p == "nvfp4" || points >= -1.0);
     std::cout << "| " << policy_name(p) << " | " << std::fixed << std::setprecision(4)
               << r.accuracy << " | " << std::showpos << std::setprecision(2) << points
               << " pp" << std::noshowpos << " | " << r.skipped << " | " << std::setprecision(1)

@@ -47,15 +47,18 @@ MIXPREC_TORCH_WHEEL=torch==2.13.0
 # transformers (with tokenizers): the reference of the encoder's parity tests.
 MIXPREC_TORCHAO=0.18.0
 MIXPREC_TRANSFORMERS=5.23.0
-MIXPREC_VENV_EXTRAS=(numpy "torchao==$MIXPREC_TORCHAO" "transformers==$MIXPREC_TRANSFORMERS")
+# peft: the reference of the LoRA parity tests (tests/nn/parity_lora.py).
+MIXPREC_PEFT=0.21.2
+MIXPREC_VENV_EXTRAS=(numpy "torchao==$MIXPREC_TORCHAO" "transformers==$MIXPREC_TRANSFORMERS"
+                     "peft==$MIXPREC_PEFT")
 mixprec_select_libtorch() {
   case "${MIXPREC_LIBTORCH:-wheel}" in
     wheel)
       local venv=build/venv
       MIXPREC_PYTHON="$PWD/$venv/bin/python"
       local installed
-      installed=$("$MIXPREC_PYTHON" -c 'from importlib.metadata import version; print(version("torch").split("+")[0], version("torchao"), version("transformers"))' 2>/dev/null || true)
-      if [ "$installed" != "${MIXPREC_TORCH_WHEEL#torch==} $MIXPREC_TORCHAO $MIXPREC_TRANSFORMERS" ]; then
+      installed=$("$MIXPREC_PYTHON" -c 'from importlib.metadata import version; print(version("torch").split("+")[0], version("torchao"), version("transformers"), version("peft"))' 2>/dev/null || true)
+      if [ "$installed" != "${MIXPREC_TORCH_WHEEL#torch==} $MIXPREC_TORCHAO $MIXPREC_TRANSFORMERS $MIXPREC_PEFT" ]; then
         echo "mixprec: installing $MIXPREC_TORCH_WHEEL into $venv" >&2
         python3 -m venv "$venv"
         "$venv/bin/pip" install --quiet --disable-pip-version-check "$MIXPREC_TORCH_WHEEL" \

@@ -12,7 +12,8 @@ fsdp2_bf16 write the same lines for zero_adamw's model sharded by PyTorch's FSDP
 INPUT is a torch::pickle_save dict from the C++ side: the initial weights (param.NAME), the data
 (x, y) and the hyperparameters (steps, batch, lr, momentum, and for fp16 init_scale,
 growth_interval). Mode schedule trains with learning-rate schedules (`schedule()`);
-sr_adamw with torchao's stochastically rounding AdamW (`sr_adamw()`).
+sr_adamw with torchao's stochastically rounding AdamW (`sr_adamw()`); grads writes what p.grad
+holds after scaler.step(opt) (`grads()`).
 OUTPUT gets one line per step: "loss scale skipped", the loss as
 repr() of the fp32 value, the scale the step used, and 1 when the step was skipped.
 """
@@ -292,11 +293,55 @@ def schedule(data, output_path):
                           f"{losses[0]!r} {losses[1]!r}\n")
 
 
+def grads(data, output_path):
+    """What `p.grad` holds after `scaler.step(opt)`, for the Trainer's on_step gradients(): the
+    model of build_model(), SGD, two micro-batches per optimizer step (each loss / 2), clipped to
+    data["clip"] after scaler.unscale_(opt); data["prec"] fp16 (torch.autocast +
+    GradScaler("cpu")) or fp32. OUTPUT: per optimizer step "scale" then every parameter's p.grad
+    after scaler.step, flattened in named_parameters() order."""
+    model = build_model()
+    model.load_state_dict({k[len("param."):]: v for k, v in data.items() if k.startswith("param.")})
+    x, y = data["x"], data["y"]
+    steps, batch, rows = int(data["steps"]), int(data["batch"]), data["x"].shape[0]
+    optimizer = torch.optim.SGD(model.parameters(), lr=float(data["lr"]),
+                                momentum=float(data["momentum"]), foreach=False)
+    # fp32: no scaler (torch 1.13 has no CPU GradScaler, and refuses an fp16 CPU autocast even
+    # disabled).
+    scaler = None
+    if data["prec"] == "fp16":
+        scaler = torch.amp.GradScaler("cpu", init_scale=float(data["init_scale"]),
+                                      growth_interval=int(data["growth_interval"]))
+    with open(output_path, "w") as out:
+        for step in range(steps):
+            optimizer.zero_grad()
+            for micro in range(2):
+                start = ((2 * step + micro) * batch) % rows
+                xb, yb = x[start:start + batch], y[start:start + batch]
+                autocast = (torch.autocast("cpu", dtype=torch.float16) if scaler
+                            else contextlib.nullcontext())
+                with autocast:
+                    loss = torch.nn.functional.cross_entropy(model(xb), yb)
+                (scaler.scale(loss.float() / 2) if scaler else loss.float() / 2).backward()
+            scale = scaler.get_scale() if scaler else 1.0
+            if scaler:
+                scaler.unscale_(optimizer)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), float(data["clip"]))
+            if scaler:
+                scaler.step(optimizer)
+                scaler.update()
+            else:
+                optimizer.step()
+            grads = torch.cat([p.grad.detach().double().reshape(-1) for p in model.parameters()])
+            out.write(" ".join([repr(scale)] + [repr(v) for v in grads.tolist()]) + "\n")
+
+
 def main(mode, input_path, output_path):
     torch.set_num_threads(1)
     data = torch.load(input_path, weights_only=False)
     if mode == "schedule":
         return schedule(data, output_path)
+    if mode == "grads":
+        return grads(data, output_path)
     if mode == "sr_adamw":
         return sr_adamw(data, output_path)
     if mode.startswith("branch"):

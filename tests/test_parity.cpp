@@ -323,6 +323,87 @@ TEST_CASE("parity with PyTorch: StepLR and LambdaLR driven by the Trainer, with 
 
 namespace {
 
+// What on_step's gradients() gives against Python's p.grad after scaler.step(opt) (parity.py's
+// grads()): SGD, two micro-batches per optimizer step, clipping at 0.5 after the unscale; fp16
+// through torch.autocast + GradScaler("cpu") from 2^10, growing every 2 steps.
+template <class P>
+void check_gradient_parity(const std::string& prec, double tolerance) {
+  torch::set_num_threads(1);
+  const std::int64_t steps = 8, batch = 16;
+  const double clip = 0.5;
+  const auto [x, y] = make_data();
+  torch::manual_seed(19);
+  auto model = make_model();
+  const auto input = test::temp_path("parity_grads_" + prec + ".pt");
+  write_python_input(input, *model, x, y,
+                     {{"steps", steps}, {"batch", batch}, {"lr", 0.05}, {"momentum", 0.9},
+                      {"clip", clip}, {"prec", prec}, {"init_scale", 1024.0},
+                      {"growth_interval", std::int64_t{2}}});
+  const auto output = test::temp_path("parity_grads_" + prec + ".txt");
+  std::remove(output.c_str());
+  const auto command = std::string(MIXPREC_SYSTEM_PYTHON) + " " + MIXPREC_PARITY_SCRIPT +
+                       " grads " + input + " " + output;
+  REQUIRE(std::system(command.c_str()) == 0);
+  std::ifstream python(output);
+
+  torch::optim::SGD sgd(model->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
+  auto options = mp::TrainerOptions().accumulation_steps(2).max_grad_norm(clip);
+  if constexpr (!std::is_same_v<typename P::scaler_type, mp::NoScaler>) {
+    options.scaler(mp::GradScalerOptions().init_scale(1024).growth_interval(2));
+  }
+  mp::Trainer<P>* self = nullptr;
+  double largest = 0, scale_seen = 0;
+  std::int64_t read = 0;
+  options.on_step([&](const mp::StepReport& report) {
+    if (report.status == mp::StepStatus::accumulating) return;
+    std::vector<at::Tensor> flat;
+    for (const auto& item : self->gradients()) flat.push_back(item.value().value.to(at::kDouble).reshape({-1}));
+    const auto ours = at::cat(flat);
+    std::string line;
+    REQUIRE(std::getline(python, line));
+    std::istringstream values(line);
+    double scale = 0;
+    values >> scale;
+    std::vector<double> theirs;
+    for (double v = 0; values >> v;) theirs.push_back(v);
+    CHECK(report.scale == scale);
+    scale_seen = std::max(scale_seen, scale);
+    REQUIRE(static_cast<std::int64_t>(theirs.size()) == ours.numel());
+    const auto reference = at::tensor(theirs, at::kDouble);
+    const double diff = (ours - reference).abs().max().item<double>() /
+                        reference.abs().max().item<double>();
+    largest = std::max(largest, diff);
+    CHECK(diff <= tolerance);
+    ++read;
+  });
+  mp::Trainer<P> trainer(model, sgd, options);
+  self = &trainer;
+  for (std::int64_t i = 0; i < 2 * steps; ++i) {
+    const auto start = (i * batch) % x.size(0);
+    const auto xb = x.slice(0, start, start + batch), yb = y.slice(0, start, start + batch);
+    trainer.step([&] { return torch::nn::functional::cross_entropy(model->forward(xb), yb); });
+  }
+  CHECK(read == steps);
+  if (prec == "fp16") CHECK(scale_seen >= 4096);  // the scale grew: unscaled by each step's own
+  MESSAGE(P::name, " vs Python's p.grad after scaler.step(opt) (", prec, ", accumulation 2, "
+          "clipping): largest difference over ", steps, " steps ", largest, " of the largest "
+          "gradient");
+}
+
+}  // namespace
+
+TEST_CASE("parity with PyTorch: on_step's gradients() are Python's p.grad after "
+          "scaler.step(opt), FullPrecision vs a plain loop") {
+  check_gradient_parity<mp::FullPrecision>("fp32", 1e-5);
+}
+
+TEST_CASE("parity with PyTorch: ... and MixedO1<Half> vs torch.autocast(float16) + "
+          "GradScaler(\"cpu\")" * doctest::skip(!mp::cpu_half_math)) {
+  check_gradient_parity<mp::MixedO1<at::Half>>("fp16", 1e-5);
+}
+
+namespace {
+
 // AdamW on a model with a branch taken every other step, against Python's AdamW, whose
 // zero_grad() sets gradients to none so that the step skips the unused head: every parameter
 // compared after every step.
@@ -442,11 +523,16 @@ std::vector<double> train_batches(Model& model, const at::Tensor& x, const at::T
                                   std::int64_t steps, std::int64_t batch, double lr, OnStep&& on_step) {
   torch::optim::AdamW adam(model->parameters(), torch::optim::AdamWOptions(lr));
   std::map<std::string, at::Tensor> grads;
+  mp::Trainer<P>* self = nullptr;
   mp::Trainer<P> trainer(model, adam, mp::TrainerOptions().on_step([&](const mp::StepReport&) {
-    for (const auto& item : model->named_parameters()) {
-      if (item.value().grad().defined()) grads[item.key()] = item.value().grad().clone();
+    // The step's gradients (the masters' under MixedO2, unscaled), in the model's dtype: the
+    // bf16 values torchao's p.grad holds (bf16 -> fp32 -> bf16 is exact).
+    for (const auto& item : self->gradients()) {
+      const auto dtype = model->named_parameters()[item.key()].scalar_type();
+      grads[item.key()] = item.value().value.to(dtype).clone();
     }
   }));
+  self = &trainer;
   on_step(-1, at::Tensor(), grads);  // before the first step
   std::vector<double> losses;
   for (std::int64_t step = 0; step < steps; ++step) {

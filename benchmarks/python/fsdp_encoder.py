@@ -3,16 +3,21 @@ the same BERT-style encoder (the modules of examples/encoder/bert.hpp, random in
 mean pooling, a Linear head), each encoder layer a fully_shard unit and the root one too,
 MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32), torch.utils.checkpoint
 (use_reentrant=False) around every layer, AdamW (fused) on the sharded fp32 parameters,
-clipping at 1. The model is built on the meta device and each rank allocates only its shards
-(FSDP2's recipe): construction never holds the whole model.
+clipping at 1; its checkpoint through torch.distributed.checkpoint (each rank writes its own
+shards and the metadata; a load at any world size reads the ranges it needs). The model is built
+on the meta device and each rank allocates only its shards (FSDP2's recipe): construction never
+holds the whole model.
 
-    python fsdp_encoder.py RANK WORLD DIR python CHECKPOINT ZERO3 LAYERS STEPS BUDGET_MIB smoke|full
+    python fsdp_encoder.py RANK WORLD DIR python CHECKPOINT ZERO3 LAYERS STEPS BUDGET_MIB smoke|full MODE PATH
 
-(the C++ ranks' arguments; CHECKPOINT 0 leaves the layers unchecked, ZERO3 is always 1). Writes
-DIR/rankRANK.txt as the C++ ranks do: "ok params N base MIB construction MIB rest MIB peak MIB
-state BYTES ms MS losses L1 L2 ...", or "over PHASE RSS" when the RSS passed the cap (twice the
-budget while building, the budget while stepping), then exits with status 3.
+(the C++ ranks' arguments; CHECKPOINT 0 leaves the layers unchecked, ZERO3 is always 1; MODE
+run: build, steps, save to PATH, load it, teardown; load: build, load PATH, teardown; steps:
+build, steps, teardown). Each phase's peak RSS is measured on its own (VmHWM reset at its
+start). Writes DIR/rankRANK.txt as the C++ ranks do: "ok params N base MIB rest MIB state BYTES
+ms MS build MIB steps MIB ... losses L1 L2 ...", or "over PHASE RSS" when the RSS passed the
+budget, then exits with status 3.
 """
+import gc
 import math
 import os
 import sys
@@ -21,8 +26,11 @@ import time
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.utils.checkpoint import checkpoint
 
@@ -39,7 +47,7 @@ class Watchdog:
     """Ends the process once its RSS passes the cap, writing "over PHASE RSS" first."""
 
     def __init__(self, path, cap):
-        self.path, self.cap, self.phase = path, cap, "construction"
+        self.path, self.cap, self.phase = path, cap, "build"
         threading.Thread(target=self._watch, daemon=True).start()
 
     def _watch(self):
@@ -138,18 +146,45 @@ def local_bytes(tensors):
     return total
 
 
+class Phases:
+    """Each phase's peak RSS (MiB): VmHWM reset when it starts, read when the next one starts."""
+
+    def __init__(self, watchdog):
+        self.watchdog, self.current, self.peaks = watchdog, None, []
+
+    def start(self, name):
+        self.finish()
+        self.current, self.watchdog.phase = name, name
+        with open("/proc/self/clear_refs", "w") as f:  # VmHWM restarts from the RSS
+            f.write("5")
+
+    def finish(self):
+        if self.current is not None:
+            self.peaks.append((self.current, status_mib("VmHWM")))
+        self.current = None
+
+
+def checkpoint_state(model, optimizer):
+    # FSDP2's sharded state dicts (DTensors): each rank saves and loads its own shards.
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    return {"model": model_state, "optimizer": optimizer_state}
+
+
 def main():
     rank, world, out_dir = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
     checkpointed = sys.argv[5] == "1"
     layers, steps, budget = int(sys.argv[7]), int(sys.argv[8]), float(sys.argv[9])
     smoke = sys.argv[10] == "smoke"
+    mode, path = sys.argv[11], sys.argv[12]
     out_path = os.path.join(out_dir, f"rank{rank}.txt")
     torch.set_num_threads(1)
-    watchdog = Watchdog(out_path, 2 * budget)
+    watchdog = Watchdog(out_path, budget)
     dist.init_process_group("gloo", init_method="file://" + os.path.join(out_dir, "pystore"),
                             rank=rank, world_size=world)
     mesh = init_device_mesh("cpu", (world,))
     base = status_mib("VmRSS")
+    phases = Phases(watchdog)
+    phases.start("build")
     c = Config(smoke, layers)
     torch.manual_seed(1)
     with torch.device("meta"):
@@ -165,35 +200,50 @@ def main():
             module.reset_parameters()
     parameters = sum(p.numel() for p in model.parameters())  # the global shapes
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01, fused=True)
-    construction, rest = status_mib("VmHWM"), status_mib("VmRSS")
-    with open("/proc/self/clear_refs", "w") as f:  # VmHWM restarts from the RSS
-        f.write("5")
-    watchdog.phase, watchdog.cap = "steps", budget
+    rest = status_mib("VmRSS")
 
-    gen = torch.Generator().manual_seed(7 + rank)
-    ids = torch.randint(1000 % c.vocab, c.vocab, (c.batch, c.tokens), generator=gen)
-    mask = torch.ones(c.batch, c.tokens, dtype=torch.long)
-    labels = torch.randint(0, c.classes, (c.batch,), generator=gen)
-    torch.manual_seed(100 + rank)
-    times, losses = [], []
-    for _ in range(steps):
-        dist.barrier()
-        start = time.perf_counter()
-        loss = F.cross_entropy(model(ids, mask).float(), labels)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-        times.append((time.perf_counter() - start) * 1000)
-    peak = status_mib("VmHWM")
+    times, losses, state = [], [], 0
+    if mode != "load":
+        phases.start("steps")
+        gen = torch.Generator().manual_seed(7 + rank)
+        ids = torch.randint(1000 % c.vocab, c.vocab, (c.batch, c.tokens), generator=gen)
+        mask = torch.ones(c.batch, c.tokens, dtype=torch.long)
+        labels = torch.randint(0, c.classes, (c.batch,), generator=gen)
+        torch.manual_seed(100 + rank)
+        for _ in range(steps):
+            dist.barrier()
+            start = time.perf_counter()
+            loss = F.cross_entropy(model(ids, mask).float(), labels)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            losses.append(loss.item())
+            times.append((time.perf_counter() - start) * 1000)
     state = local_bytes(list(model.parameters())
                         + [t for s in optimizer.state.values() for t in s.values()
                            if torch.is_tensor(t) and t.dim() > 0])
+    if mode == "run":
+        phases.start("save")
+        dcp.save(checkpoint_state(model, optimizer), checkpoint_id=path)
+    if mode != "steps":
+        phases.start("load")
+        loaded = checkpoint_state(model, optimizer)
+        # The pooler (unused by the classifier, as in bert.hpp) never had a gradient, so AdamW
+        # saved no state for it: a partial load, as mixprec's checkpoints hold none for it either.
+        dcp.load(loaded, checkpoint_id=path, planner=DefaultLoadPlanner(allow_partial_load=True))
+        set_state_dict(model, optimizer, model_state_dict=loaded["model"],
+                       optim_state_dict=loaded["optimizer"], options=StateDictOptions(strict=False))
+        del loaded
+    phases.start("teardown")
+    del optimizer, model
+    gc.collect()
+    phases.finish()
     with open(out_path, "w") as f:
-        f.write(f"ok params {parameters} base {base:.1f} construction {construction:.1f} "
-                f"rest {rest:.1f} peak {peak:.1f} state {state} ms {times[-1]:.1f} losses "
-                + " ".join(f"{l:.9g}" for l in losses) + "\n")
+        f.write(f"ok params {parameters} base {base:.1f} rest {rest:.1f} state {state} "
+                f"ms {times[-1] if times else 0:.1f} "
+                + " ".join(f"{name} {peak:.1f}" for name, peak in phases.peaks)
+                + " losses " + " ".join(f"{l:.9g}" for l in losses) + "\n")
     dist.destroy_process_group()
 
 

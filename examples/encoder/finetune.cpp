@@ -5,6 +5,10 @@
 //   finetune --policy bf16 --epochs 2            # MixedO1<BFloat16>: autocast, fp32 weights
 //   finetune --policy bf16-o2 --model DIR        # MixedO2<BFloat16>: bf16 model, fp32 masters
 //   finetune --policy bf16-o2 --checkpoint-layers  # every encoder layer's activations recomputed
+//   finetune --policy bf16-o2 --lora 16 --lora-base fp8 --lr 1e-3 --save out
+//                                                # LoRA adapters on every encoder linear layer, the
+//                                                # base frozen in fp8; out/ gets the merged model
+//                                                # and the adapter for Python (docs/lora.md)
 //
 // Policies: fp32, bf16, bf16-o2, fp16 (MixedO1<Half> + GradScaler), fp16-o2 (MixedO2<Half>),
 // and the lean training states (core/state_storage.hpp): bf16-o2-rem (MixedO2<BFloat16,
@@ -24,6 +28,7 @@
 #include <sys/resource.h>
 
 #include <chrono>
+#include <filesystem>
 #include <iomanip>
 #include <iostream>
 #include <numeric>
@@ -43,7 +48,27 @@ struct Options {
   std::uint64_t seed = 1;
   bool checkpoint_layers = false;
   bool fused = false;
+  std::int64_t lora = 0;          // the adapters' rank; 0: full fine-tuning
+  std::string lora_base = "as_is";  // as_is, bf16, fp8
+  std::string save;               // a directory for the fine-tuned weights
 };
+
+// LoRA on every linear layer of the encoder (PEFT's "all-linear" but the pooler), the head
+// trained whole; alpha = 2 rank.
+void apply_adapters(const encoder::Classifier& model, const Options& o) {
+  const auto base = o.lora_base == "fp8"    ? mixprec::LoraBase::fp8_rowwise
+                    : o.lora_base == "bf16" ? mixprec::LoraBase::bf16
+                                            : mixprec::LoraBase::as_is;
+  const auto layers = mixprec::apply_lora(
+      model.ptr(),
+      {"bert.encoder.layer.*.attention.self.query", "bert.encoder.layer.*.attention.self.key",
+       "bert.encoder.layer.*.attention.self.value", "bert.encoder.layer.*.attention.output.dense",
+       "bert.encoder.layer.*.intermediate.dense", "bert.encoder.layer.*.output.dense"},
+      mixprec::LoraOptions().rank(o.lora).alpha(2.0 * static_cast<double>(o.lora)).dropout(0.1)
+          .seed(o.seed).base(base).trainable({"head"}));
+  std::cout << "LoRA rank " << o.lora << " on " << layers.size() << " layers, base "
+            << o.lora_base << "\n";
+}
 
 // --fused: ATen's fused AdamW (LibTorch >= 2.4), or under a lean storage mixprec's one-pass step.
 template <class P>
@@ -67,13 +92,16 @@ int run(const Options& o) {
             << data.source << "\n";
   torch::manual_seed(static_cast<std::int64_t>(o.seed));
   auto model = encoder::pretrained_classifier(model_dir, static_cast<std::int64_t>(data.classes.size()));
+  // The adapters first: checkpointing then wraps the adapted layers as they are.
+  if (o.lora > 0) apply_adapters(model, o);
   if (o.checkpoint_layers) {
     // Activation checkpointing: each layer keeps only its input for backward, which recomputes
     // the rest in the same precision (docs/guide.md, "Memory").
     const auto layers = mixprec::apply_checkpointing(model, {"bert.encoder.layer.*"});
     std::cout << "checkpointing " << layers.size() << " layers (bert.encoder.layer.*)\n";
   }
-  torch::optim::AdamW optimizer(model->parameters(), torch::optim::AdamWOptions(o.lr).weight_decay(0.01));
+  torch::optim::AdamW optimizer(o.lora > 0 ? mixprec::trainable_parameters(*model) : model->parameters(),
+                                torch::optim::AdamWOptions(o.lr).weight_decay(0.01));
   mixprec::Trainer<P> trainer(
       model, optimizer,
       mixprec::TrainerOptions().max_grad_norm(1.0).fused_optimizer(o.fused && fused_available<P>()));
@@ -116,6 +144,21 @@ int run(const Options& o) {
             << per(bytes.masters) << ", optimizer " << per(bytes.optimizer) << "); peak RSS "
             << std::setprecision(0) << static_cast<double>(usage.ru_maxrss) / 1024.0 << " MiB"
             << std::endl;
+  if (!o.save.empty()) {
+    // For Python, in fp32: the classifier under its own names (with LoRA: the adapters merged
+    // into the model's weights), and with LoRA the adapter in PEFT's form from the fp32 values
+    // (the masters under MixedO2, finer than the model's bf16 adapters).
+    const auto fp32 = trainer.fp32_state_dict();
+    std::filesystem::create_directories(o.save);
+    if (o.lora > 0) {
+      mixprec::save_lora_adapter(*model, o.save + "/adapter", fp32);
+      mixprec::save_merged_safetensors(*model, o.save + "/model.safetensors");
+    } else {
+      mixprec::save_safetensors(fp32, o.save + "/model.safetensors");
+    }
+    std::cout << "wrote " << o.save << "/model.safetensors" << (o.lora > 0 ? " and adapter/" : "")
+              << std::endl;
+  }
   return 0;
 }
 
@@ -144,6 +187,11 @@ int main(int argc, char** argv) {
                "mixprec's one pass over the lean state)");
   app.add_flag("--checkpoint-layers", o.checkpoint_layers,
                "recompute each encoder layer's activations in backward instead of keeping them");
+  app.add_option("--lora", o.lora, "train LoRA adapters of this rank on a frozen encoder (0: all weights)")
+      ->check(CLI::Range(0, 384));
+  app.add_option("--lora-base", o.lora_base, "how the frozen base is stored: as_is, bf16, fp8")
+      ->check(CLI::IsMember({"as_is", "bf16", "fp8"}));
+  app.add_option("--save", o.save, "a directory for the fine-tuned weights (safetensors, for Python)");
   CLI11_PARSE(app, argc, argv);
   try {
     if (o.policy == "fp32") return run<mixprec::FullPrecision>(o);

@@ -11,7 +11,8 @@
 // their convolution weight gradients in fp32 (mixprec::cpu_capabilities()) and hands that to
 // every child in MIXPREC_FP16_CONV_WEIGHT_GRAD; the table says per run what it computed. On a
 // CPU, the fp16 policies are sized by a time budget: a few timed steps of each decide how many
-// images they train on.
+// images they train on; so are the bf16 ones on a CPU where bf16 is slower than fp32 (no
+// AVX512-BF16 or AMX-BF16 that LibTorch uses: mixprec::cpu_capabilities().bf16_slow).
 
 #include <CLI/CLI.hpp>
 #include <mixprec/mixprec.hpp>
@@ -68,6 +69,11 @@ struct Config {
   std::int64_t train_size = 60000;
   std::int64_t half_train_size = 0;  // 0: sized by half_budget
   double half_budget = 100;          // seconds of training for the fp16 group's four runs
+  // The same for the bf16 group where bf16 is slow here: the rest of the demo took 261 s on an
+  // AVX2-only EPYC (its 14 min 54 s less the unsized bf16 group's 633 s), so 40 s keeps the
+  // whole run within 5 minutes there.
+  double bf16_budget = 40;
+  bool train_size_set = false;       // --train-size given (or --smoke): no group is sized
   std::int64_t test_size = 10000;
   std::int64_t batch_size = 64;
   double lr = 0.02;
@@ -410,24 +416,27 @@ struct Group {
   std::vector<fm::PolicyResult> results;
 };
 
-// The fp16 group's size on a CPU: a few timed steps of each of its runs decide how many images
-// fit the budget (the fp16 kernels' speed differs by orders of magnitude between CPUs).
-std::int64_t size_half_group(const Config& c, std::string& why) {
+// A group's size on a CPU where its low precision is slow or of unknown speed: a few timed steps
+// of each of its runs decide how many images fit `budget` seconds (the fp16 kernels' speed
+// differs by orders of magnitude between CPUs; bf16 without bf16 hardware is several times
+// fp32's time).
+std::int64_t size_group(const Config& c, const std::string& dtype, double budget,
+                        const std::string& flag, std::string& why) {
   const auto probe = load_data(c, std::min<std::int64_t>(c.train_size, 16 * c.batch_size));
   std::vector<double> seconds;
   std::ostringstream text;
-  for (const std::string policy : kPolicies) {
+  for (const auto& policy : group_policies(dtype)) {
     if (c.policy != "all" && c.policy != policy && policy != "FullPrecision") continue;
-    const double s = run_named(policy, c, "fp16", probe, /*max_steps=*/3 + 8).seconds_per_epoch;
+    const double s = run_named(policy, c, dtype, probe, /*max_steps=*/3 + 8).seconds_per_epoch;
     seconds.push_back(s);
     text << (seconds.size() > 1 ? ", " : "") << policy << " " << fixed(1000 * s, 1) << " ms";
   }
   const std::int64_t minimum = std::min<std::int64_t>(2000, c.train_size);
-  const auto images = fm::images_within_budget(c.half_budget, seconds, c.epochs, c.batch_size,
-                                               minimum, c.train_size);
+  const auto images =
+      fm::images_within_budget(budget, seconds, c.epochs, c.batch_size, minimum, c.train_size);
   why = "a step of each run measured " + text.str() + " (batch " + std::to_string(c.batch_size) +
         "): " + std::to_string(images) + " images x " + std::to_string(c.epochs) +
-        " epochs fit the --half-budget of " + fixed(c.half_budget, 0) + " s";
+        " epochs fit the " + flag + " of " + fixed(budget, 0) + " s";
   return images;
 }
 
@@ -453,9 +462,17 @@ int run_parent(const Config& c) {
         group.images = std::min(c.half_train_size, c.train_size);
         group.why = "--half-train-size";
       } else {
-        group.images = size_half_group(c, group.why);
+        group.images = size_group(c, "fp16", c.half_budget, "--half-budget", group.why);
       }
       std::cerr << "fp16 group: " << group.images << " images: " << group.why << "\n";
+    }
+    // Without bf16 hardware bf16 is several times fp32's time (a whole run 3-4x on an AVX2-only
+    // EPYC: 15 minutes for the demo unsized), so the bf16 group is sized as the fp16 one is.
+    if (dtype == "bf16" && c.device == "cpu" && !c.train_size_set &&
+        mixprec::cpu_capabilities().bf16_slow) {
+      group.images = size_group(c, "bf16", c.bf16_budget, "--bf16-budget", group.why);
+      group.why += ", as bf16 is slower than fp32 on this CPU";
+      std::cerr << "bf16 group: " << group.images << " images: " << group.why << "\n";
     }
     groups.push_back(group);
   }
@@ -534,6 +551,11 @@ int main(int argc, char** argv) {
   app.add_option("--half-budget", c.half_budget,
                  "seconds of training for the fp16 group's four runs; a few timed steps of each "
                  "decide its number of images")->check(CLI::PositiveNumber)->capture_default_str();
+  app.add_option("--bf16-budget", c.bf16_budget,
+                 "on a CPU where bf16 is slower than fp32 (no AVX512-BF16 or AMX-BF16 that "
+                 "LibTorch uses), seconds of training for the bf16 group's runs, sized as the "
+                 "fp16 group is; unused where --train-size is given")
+      ->check(CLI::PositiveNumber)->capture_default_str();
   app.add_option("--test-size", c.test_size, "test images, at most 10000")
       ->check(CLI::Range(1, 10000))->capture_default_str();
   app.add_option("--batch-size", c.batch_size, "mini-batch size")->check(CLI::PositiveNumber)->capture_default_str();
@@ -581,6 +603,7 @@ int main(int argc, char** argv) {
       if (app.count("--lr") == 0) c.lr = 0.05;  // 16 steps learn only at a larger rate
       if (app.count("--half-train-size") == 0) c.half_train_size = c.train_size;
     }
+    c.train_size_set = c.smoke || app.count("--train-size") > 0;
   } catch (const CLI::CallForHelp&) {
     std::cout << app.help();
     return 0;

@@ -9,6 +9,7 @@
 #include <mixprec/optim.hpp>
 #include <mixprec/nn.hpp>
 #include <mixprec/precision.hpp>
+#include <mixprec/lora.hpp>
 #include <mixprec/fp8.hpp>
 #include <mixprec/recompute.hpp>
 #include <mixprec/distributed.hpp>

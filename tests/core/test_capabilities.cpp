@@ -1,7 +1,10 @@
 // mixprec::cpu_capabilities(): the instruction-set flags against the kernel's own view of the CPU
-// (/proc/cpuinfo), and the verdict on fp16 convolution weight gradients: from the flags, which
-// forced noisy timings (a busy machine) never flip, or handed down in the environment.
+// (/proc/cpuinfo); the verdict on bf16 (from the flags and oneDNN's cap, ONEDNN_MAX_CPU_ISA) and
+// what a Trainer and advise() say on a CPU where bf16 is slow; the verdict on fp16 convolution
+// weight gradients: from the flags, which forced noisy timings (a busy machine) never flip, or
+// handed down in the environment.
 #include <mixprec/core/capabilities.hpp>
+#include <mixprec/mixprec.hpp>
 
 #include <torch/torch.h>
 
@@ -12,9 +15,11 @@
 #include <functional>
 #include <iomanip>
 #include <limits>
+#include <optional>
 #include <random>
 #include <set>
 #include <sstream>
+#include <stdlib.h>
 #include <string>
 #include <vector>
 
@@ -280,4 +285,234 @@ TEST_CASE("cpu_capabilities: printing leaves the stream's precision as it was") 
   CHECK(text.str().find("oneDNN's reference loop (AVX512-FP16 without AMX-FP16), timed at 107x "
                         "fp32 (compute them in fp32") != std::string::npos);
   CHECK(text.precision() == 9);
+}
+
+// ---------------------------------------------------------------------------------------------
+// bf16: native, emulated or ATen's loops, from the flags and oneDNN's cap; the Trainer's warning
+// and advise()'s reason where it is slow.
+
+namespace {
+
+// The AMD EPYC of CI: AVX512-BF16, no AVX512-FP16, no AMX.
+mp::CpuCapabilities epyc_bf16_flags() {
+  mp::CpuCapabilities c;
+  c.model = "Test EPYC";
+  c.avx2 = c.avx512f = c.avx512_bf16 = true;
+  return c;
+}
+
+// Sets an environment variable for a scope, and puts back what was there.
+class ScopedEnv {
+ public:
+  ScopedEnv(const char* name, const char* value) : name_(name) {
+    if (const char* old = std::getenv(name)) old_ = old;
+    if (value != nullptr) {
+      ::setenv(name, value, 1);
+    } else {
+      ::unsetenv(name);
+    }
+  }
+  ~ScopedEnv() {
+    if (old_) {
+      ::setenv(name_, old_->c_str(), 1);
+    } else {
+      ::unsetenv(name_);
+    }
+  }
+  ScopedEnv(const ScopedEnv&) = delete;
+  ScopedEnv& operator=(const ScopedEnv&) = delete;
+
+ private:
+  const char* name_;
+  std::optional<std::string> old_;
+};
+
+}  // namespace
+
+TEST_CASE("cpu_capabilities: bf16 is native, emulated or ATen's loops by the flags and oneDNN's "
+          "cap") {
+  auto avx2_only = epyc_bf16_flags();  // Zen 2/3: the AVX2-only EPYC
+  avx2_only.avx512f = avx2_only.avx512_bf16 = false;
+  auto cascade_lake = epyc_bf16_flags();  // AVX-512 without bf16 instructions
+  cascade_lake.avx512_bf16 = false;
+  auto sapphire = xeon_flags();  // AVX512-BF16 and AMX-BF16
+  struct Case {
+    std::string name;
+    mp::CpuCapabilities flags;
+    std::string cap;
+    bool onednn;
+    mp::Bf16Kernels kernels;
+  };
+  using K = mp::Bf16Kernels;
+  const Case cases[] = {
+      {"EPYC, no cap", epyc_bf16_flags(), "", true, K::native},
+      {"EPYC, ONEDNN_MAX_CPU_ISA=AVX2 (the emulation of an AVX2-only CPU)", epyc_bf16_flags(),
+       "AVX2", true, K::fallback},
+      {"EPYC, lower case, as oneDNN 3.x reads it", epyc_bf16_flags(), "avx2", true, K::fallback},
+      {"EPYC, capped at AVX-512 without bf16", epyc_bf16_flags(), "AVX512_CORE_VNNI", true,
+       K::emulated},
+      {"EPYC, capped at AVX512_CORE_BF16", epyc_bf16_flags(), "AVX512_CORE_BF16", true, K::native},
+      {"EPYC, DEFAULT", epyc_bf16_flags(), "DEFAULT", true, K::native},
+      {"EPYC, a name oneDNN does not know caps nothing", epyc_bf16_flags(), "bogus", true,
+       K::native},
+      {"EPYC, a LibTorch without oneDNN", epyc_bf16_flags(), "", false, K::fallback},
+      {"AVX2-only", avx2_only, "", true, K::fallback},
+      {"AVX2-only, whatever the cap", avx2_only, "AVX512_CORE_AMX", true, K::fallback},
+      {"AVX-512 without bf16", cascade_lake, "", true, K::emulated},
+      {"Sapphire Rapids", sapphire, "", true, K::native},
+      {"Sapphire Rapids without AMX (AVX512_CORE_BF16)", sapphire, "AVX512_CORE_BF16", true,
+       K::native},
+  };
+  for (const auto& tc : cases) {
+    CAPTURE(tc.name);
+    const auto c = mp::detail::decide_bf16(tc.flags, true, tc.cap, tc.onednn);
+    CHECK(c.bf16_kernels == tc.kernels);
+    CHECK(c.bf16_slow == (tc.kernels != K::native));
+    CHECK(c.onednn_max_isa == tc.cap);
+    std::ostringstream text;
+    text << c;
+    CHECK(text.str().find(tc.kernels == K::native ? "bf16: native" : "bf16: slower than fp32") !=
+          std::string::npos);
+  }
+  // Not an x86 CPU: nothing known, nothing claimed.
+  const auto other = mp::detail::decide_bf16(mp::CpuCapabilities{}, false, "", true);
+  CHECK(other.bf16_kernels == K::unknown);
+  CHECK_FALSE(other.bf16_slow);
+  // The reason names what the CPU lacks, or the cap that hides what it has.
+  CHECK(mp::detail::slow_bf16_reason(mp::detail::decide_bf16(avx2_only, true, "", true))
+            .find("Test EPYC has no AVX512-BF16 or AMX-BF16: LibTorch computes bf16 matrix "
+                  "products and convolutions with ATen's own loops") != std::string::npos);
+  CHECK(mp::detail::slow_bf16_reason(mp::detail::decide_bf16(epyc_bf16_flags(), true, "AVX2", true))
+            .find("has AVX512-BF16 but oneDNN may not use it (ONEDNN_MAX_CPU_ISA=AVX2)") !=
+        std::string::npos);
+  CHECK(mp::detail::slow_bf16_reason(mp::detail::decide_bf16(cascade_lake, true, "", true))
+            .find("oneDNN converts bf16 to fp32") != std::string::npos);
+}
+
+TEST_CASE("cpu_capabilities: the probe reads ONEDNN_MAX_CPU_ISA, then DNNL_MAX_CPU_ISA") {
+  const auto flags = mp::detail::cpu_flags();
+  const bool onednn = at::globalContext().hasMKLDNN();
+  {
+    ScopedEnv onednn_cap("ONEDNN_MAX_CPU_ISA", "AVX2");
+    ScopedEnv dnnl_cap("DNNL_MAX_CPU_ISA", "AVX512_CORE_BF16");
+    const auto c = mp::detail::probe_cpu();
+    CHECK(c.onednn_max_isa == "AVX2");
+    if (mp::detail::x86_cpu) CHECK(c.bf16_kernels == mp::Bf16Kernels::fallback);
+    MESSAGE("under ONEDNN_MAX_CPU_ISA=AVX2: " << c);
+  }
+  {
+    ScopedEnv onednn_cap("ONEDNN_MAX_CPU_ISA", nullptr);
+    ScopedEnv dnnl_cap("DNNL_MAX_CPU_ISA", "AVX2");
+    CHECK(mp::detail::probe_cpu().onednn_max_isa == "AVX2");
+  }
+  {
+    ScopedEnv onednn_cap("ONEDNN_MAX_CPU_ISA", nullptr);
+    ScopedEnv dnnl_cap("DNNL_MAX_CPU_ISA", nullptr);
+    const auto c = mp::detail::probe_cpu();
+    CHECK(c.onednn_max_isa.empty());
+    if (mp::detail::x86_cpu) {
+      CHECK(c.bf16_slow == !(onednn && (flags.avx512_bf16 || flags.amx_bf16)));
+    }
+  }
+}
+
+namespace {
+
+// A small CNN and an MLP for the bf16 warning: what a Trainer builds on, and advise() watches.
+struct Bf16Net : torch::nn::Module {
+  torch::nn::Conv2d conv{torch::nn::Conv2dOptions(1, 4, 3).padding(1)};
+  torch::nn::Linear fc{4 * 8 * 8, 3};
+  Bf16Net() {
+    register_module("conv", conv);
+    register_module("fc", fc);
+  }
+  at::Tensor forward(const at::Tensor& x) { return fc(torch::relu(conv(x)).flatten(1)); }
+};
+
+// The warnings a Trainer<P> gives on a fresh model under `caps`, the once-flag reset first.
+template <class P>
+std::vector<std::string> bf16_warnings(const mp::CpuCapabilities& caps, bool reset = true) {
+  mp::detail::cpu_capabilities_override() = caps;
+  if (reset) mp::detail::slow_bf16_warned() = false;
+  std::vector<std::string> warnings;
+  torch::manual_seed(3);
+  auto model = std::make_shared<Bf16Net>();
+  torch::optim::SGD sgd(model->parameters(), torch::optim::SGDOptions(0.05));
+  mp::Trainer<P> trainer(model, sgd, mp::TrainerOptions().on_warning([&](const std::string& w) {
+    warnings.push_back(w);
+  }));
+  mp::detail::cpu_capabilities_override().reset();
+  return warnings;
+}
+
+}  // namespace
+
+TEST_CASE("a Trainer computing in bf16 warns once where the CPU has no bf16 hardware, never "
+          "where it has") {
+  auto slow = mp::detail::decide_bf16(epyc_bf16_flags(), true, "AVX2", true);  // as emulated
+  auto avx2_only = epyc_bf16_flags();
+  avx2_only.avx512f = avx2_only.avx512_bf16 = false;
+  avx2_only = mp::detail::decide_bf16(avx2_only, true, "", true);
+  const auto fast = mp::detail::decide_bf16(epyc_bf16_flags(), true, "", true);
+  REQUIRE(slow.bf16_slow);
+  REQUIRE(avx2_only.bf16_slow);
+  REQUIRE_FALSE(fast.bf16_slow);
+
+  const auto warned = bf16_warnings<mp::MixedO2<at::BFloat16>>(avx2_only);
+  REQUIRE(warned.size() == 1);
+  MESSAGE(warned[0]);
+  CHECK(warned[0].find("Trainer<MixedO2<BFloat16>> computes in bf16 on the CPU, and Test EPYC has "
+                       "no AVX512-BF16 or AMX-BF16") != std::string::npos);
+  CHECK(warned[0].find("train in FullPrecision") != std::string::npos);
+  // Once per process: a second bf16 Trainer says nothing.
+  CHECK(bf16_warnings<mp::PureHalf<at::BFloat16>>(avx2_only, /*reset=*/false).empty());
+  // Every policy that computes in bf16 warns; the emulated CPU names its cap.
+  CHECK(bf16_warnings<mp::MixedO1<at::BFloat16>>(slow).size() == 1);
+  const auto capped = bf16_warnings<mp::PureHalf<at::BFloat16>>(slow);
+  REQUIRE(capped.size() == 1);
+  CHECK(capped[0].find("ONEDNN_MAX_CPU_ISA=AVX2") != std::string::npos);
+  // A policy that computes in fp32 or fp16 says nothing of bf16.
+  CHECK(bf16_warnings<mp::FullPrecision>(avx2_only).empty());
+  if constexpr (mp::cpu_half_math) {
+    CHECK(bf16_warnings<mp::MixedO2<at::Half>>(avx2_only).empty());
+  }
+  // On a CPU with bf16 hardware, never.
+  CHECK(bf16_warnings<mp::MixedO2<at::BFloat16>>(fast).empty());
+  CHECK(bf16_warnings<mp::MixedO1<at::BFloat16>>(fast).empty());
+  CHECK(bf16_warnings<mp::PureHalf<at::BFloat16>>(fast).empty());
+  mp::detail::slow_bf16_warned() = false;
+}
+
+TEST_CASE("advise() says that bf16 is slower than fp32 on a CPU without bf16 hardware") {
+  auto avx2_only = epyc_bf16_flags();
+  avx2_only.avx512f = avx2_only.avx512_bf16 = false;
+  avx2_only = mp::detail::decide_bf16(avx2_only, true, "", true);
+  const auto fast = mp::detail::decide_bf16(epyc_bf16_flags(), true, "", true);
+  torch::manual_seed(4);
+  const auto x = torch::randn({8, 1, 8, 8});
+  const auto y = torch::randint(0, 3, {8});
+  auto advise_under = [&](const mp::CpuCapabilities& caps) {
+    mp::detail::cpu_capabilities_override() = caps;
+    torch::manual_seed(5);
+    auto model = std::make_shared<Bf16Net>();
+    auto advice = mp::advise(model, [&] {
+      return torch::nn::functional::cross_entropy(model->forward(x), y);
+    });
+    mp::detail::cpu_capabilities_override().reset();
+    std::ostringstream text;
+    text << advice;
+    return std::pair{advice, text.str()};
+  };
+  const auto [slow_advice, slow_text] = advise_under(avx2_only);
+  MESSAGE(slow_text);
+  CHECK(slow_advice.slow_bf16);
+  CHECK(slow_advice.recommended == "MixedO2<BFloat16>");  // the numerics' verdict stands
+  CHECK(slow_text.find("bf16 is slower than fp32 on this CPU: Test EPYC has no AVX512-BF16 or "
+                       "AMX-BF16") != std::string::npos);
+  CHECK(slow_text.find("for speed here train in FullPrecision") != std::string::npos);
+  CHECK(slow_text.find("bf16 is computed natively") == std::string::npos);
+  const auto [fast_advice, fast_text] = advise_under(fast);
+  CHECK_FALSE(fast_advice.slow_bf16);
+  CHECK(fast_text.find("slower than fp32") == std::string::npos);
+  CHECK(fast_text.find("bf16 is computed natively") != std::string::npos);
 }

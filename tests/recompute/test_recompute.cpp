@@ -585,6 +585,239 @@ TEST_CASE("checkpoint's bad inputs: a block that modifies its input, reads a ten
   }
 }
 
+// ---- The recompute takes the first run's path, or an Error names the block and what differs
+// (issue 59): state that changes between the forward pass and backward (a module's mode, a
+// number or tensor the block reads, a parameter) gave the gradients of another computation.
+
+namespace {
+
+// What backward gave after a change between a checkpointed block's forward pass and backward:
+// the Error's message, or (none) how far the gradients are from those of the unchanged run.
+struct Misuse {
+  std::string error;
+  double off = 0;
+};
+
+// forward(x, checkpointed) runs a block on x; run once without checkpointing and without the
+// change (the gradients of what the forward pass computed), then checkpointed with change()
+// after the forward pass and undo() after backward. Upstream gradient 2y, as Python's
+// parity_checkpoint.py misuse cases.
+template <class Forward, class Change, class Undo>
+Misuse misuse(torch::nn::Module& model, const at::Tensor& x0, Forward forward, Change change,
+              Undo undo) {
+  const auto gradients = [&](const at::Tensor& x) {
+    std::vector<at::Tensor> grads;
+    if (x.grad().defined()) grads.push_back(x.grad().clone());
+    for (auto& p : model.parameters()) {
+      if (p.grad().defined()) grads.push_back(p.grad().clone());
+      p.mutable_grad() = at::Tensor();
+    }
+    return grads;
+  };
+  auto x = x0.clone().requires_grad_();
+  torch::manual_seed(32);
+  forward(x, false).pow(2).sum().backward();
+  const auto expected = gradients(x);
+  x = x0.clone().requires_grad_();
+  torch::manual_seed(32);
+  const auto y = forward(x, true);
+  change();
+  Misuse result;
+  try {
+    y.pow(2).sum().backward();
+  } catch (const mp::Error& e) {
+    result.error = e.what();
+  }
+  undo();
+  if (result.error.empty()) {
+    const auto got = gradients(x);
+    result.off = got.size() == expected.size() ? largest_difference(expected, got) : INFINITY;
+  } else {
+    gradients(x);
+  }
+  return result;
+}
+
+std::string outcome_of(const Misuse& m) {
+  if (!m.error.empty()) return "Error: " + m.error;
+  std::ostringstream words;
+  words << "no Error, gradients off by " << m.off;
+  return words.str();
+}
+
+// Models users build: an encoder layer with dropout ([seq, batch, 16]), a conv block with
+// BatchNorm ([4, 3, 6, 6]), Linear layers ([4, 16]).
+torch::nn::TransformerEncoderLayerOptions encoder_options() {
+  return torch::nn::TransformerEncoderLayerOptions(16, 2).dim_feedforward(32).dropout(0.1);
+}
+torch::nn::Sequential conv_block() {
+  return torch::nn::Sequential(torch::nn::Conv2d(torch::nn::Conv2dOptions(3, 8, 3).padding(1)),
+                               torch::nn::BatchNorm2d(8), torch::nn::ReLU());
+}
+torch::nn::Sequential mlp() {
+  return torch::nn::Sequential(torch::nn::Linear(16, 16), torch::nn::GELU(), torch::nn::Linear(16, 16));
+}
+
+// A module's mode switched (to eval() or to train()) between forward and backward, the module
+// checkpointed as a Checkpointed<M> (`module`) ...
+template <class Module>
+Misuse module_mode_misuse(Module module, const at::Tensor& x0, bool to_eval) {
+  module->train(to_eval);
+  return misuse(*module, x0, [&](const at::Tensor& x, bool checkpointed) {
+    module->set_checkpointing(checkpointed);
+    return module->forward(x);
+  }, [&] { module->train(!to_eval); }, [&] { module->train(to_eval); });
+}
+
+// ... or through mixprec::checkpoint, naming the module in keep_buffers or not.
+template <class Module>
+Misuse function_mode_misuse(Module plain, const at::Tensor& x0, bool to_eval, bool keep = false) {
+  plain->train(to_eval);
+  return misuse(*plain, x0, [&](const at::Tensor& x, bool checkpointed) {
+    auto fn = [plain](const at::Tensor& h) mutable { return plain->forward(h); };
+    if (!checkpointed) return fn(x);
+    return keep ? mp::checkpoint(mp::CheckpointOptions().keep_buffers(*plain), fn, x) : mp::checkpoint(fn, x);
+  }, [&] { plain->train(!to_eval); }, [&] { plain->train(to_eval); });
+}
+
+}  // namespace
+
+TEST_CASE("a module switched to eval() or train() between the forward pass and backward: an Error naming the block and the module, both forms") {
+  torch::manual_seed(30);
+  const auto seq = torch::randn({5, 2, 16}), images = torch::randn({4, 3, 6, 6});
+  SUBCASE("an encoder layer with dropout") {
+    torch::manual_seed(33);
+    mp::nn::Checkpointed<torch::nn::TransformerEncoderLayer> module(encoder_options());
+    const auto as_module = module_mode_misuse(module, seq, true);
+    MESSAGE("encoder layer, eval() before backward, Checkpointed<M>: " << outcome_of(as_module));
+    CHECK(as_module.error.find("checkpointed module mixprec::nn::Checkpointed<torch::nn::TransformerEncoderLayer>: "
+                               "module torch::nn::TransformerEncoderLayer was in training mode in the "
+                               "forward pass and is in eval mode now") != std::string::npos);
+    torch::manual_seed(33);
+    const auto as_function = function_mode_misuse(torch::nn::TransformerEncoderLayer(encoder_options()), seq, true);
+    MESSAGE("encoder layer, eval() before backward, checkpoint(fn): " << outcome_of(as_function));
+    // Dropout in eval mode is no op: the graph has fewer nodes.
+    CHECK(as_function.error.find("took another path when recomputed") != std::string::npos);
+    CHECK(as_function.error.find("switched to eval() or train()") != std::string::npos);
+  }
+  SUBCASE("a conv block with BatchNorm, train to eval and eval to train") {
+    for (const bool to_eval : {true, false}) {
+      const std::string change = to_eval ? "eval()" : "train()";
+      CAPTURE(change);
+      torch::manual_seed(34);
+      mp::nn::Checkpointed<torch::nn::Sequential> module(conv_block());
+      const auto as_module = module_mode_misuse(module, images, to_eval);
+      MESSAGE("conv block, " << change << " before backward, Checkpointed<M>: " << outcome_of(as_module));
+      CHECK(as_module.error.find("module torch::nn::Sequential was in ") != std::string::npos);
+      CHECK(as_module.error.find("(4 of its 4 modules changed mode)") != std::string::npos);
+      // batch_norm builds the same node in training and in eval mode: the function form sees
+      // other values (on the CPU), or the modes where keep_buffers names the module.
+      const auto as_function = function_mode_misuse(conv_block(), images, to_eval);
+      MESSAGE("conv block, " << change << " before backward, checkpoint(fn): " << outcome_of(as_function));
+      CHECK(as_function.error.find("computed other values when recomputed") != std::string::npos);
+      CHECK(as_function.error.find("switched to eval() or train() (BatchNorm)") != std::string::npos);
+      const auto kept = function_mode_misuse(conv_block(), images, to_eval, /*keep=*/true);
+      MESSAGE("conv block, " << change << " before backward, checkpoint(keep_buffers(block), fn): " << outcome_of(kept));
+      CHECK(kept.error.find("module torch::nn::Sequential was in ") != std::string::npos);
+    }
+  }
+  SUBCASE("only a submodule switched") {
+    torch::manual_seed(34);
+    mp::nn::Checkpointed<torch::nn::Sequential> module(conv_block());
+    const auto result = misuse(*module, images, [&](const at::Tensor& x, bool checkpointed) {
+      module->set_checkpointing(checkpointed);
+      return module->forward(x);
+    }, [&] { module->inner()[1]->eval(); }, [&] { module->inner()[1]->train(); });
+    MESSAGE("the BatchNorm of a conv block, eval() before backward: " << outcome_of(result));
+    CHECK(result.error.find("submodule '1' (torch::nn::BatchNorm2d) was in training mode in the "
+                            "forward pass and is in eval mode now (1 of its 4 modules changed mode)") !=
+          std::string::npos);
+  }
+  SUBCASE("a block without dropout or BatchNorm: the module form still refuses, the function form computes the same") {
+    torch::manual_seed(35);
+    const auto rows = torch::randn({4, 16});
+    mp::nn::Checkpointed<torch::nn::Sequential> module(mlp());
+    const auto as_module = module_mode_misuse(module, rows, true);
+    MESSAGE("Linear, GELU, Linear, eval() before backward, Checkpointed<M>: " << outcome_of(as_module));
+    CHECK(as_module.error.find("module torch::nn::Sequential was in training mode") != std::string::npos);
+    const auto as_function = function_mode_misuse(mlp(), rows, true);
+    MESSAGE("Linear, GELU, Linear, eval() before backward, checkpoint(fn): " << outcome_of(as_function));
+    CHECK(as_function.error.empty());
+    CHECK(as_function.off == 0);  // as Python's checkpoint: the same graph, the same values
+  }
+  SUBCASE("eval() and back to train() before backward (an evaluation inside the step): no Error, the same gradients") {
+    torch::manual_seed(34);
+    mp::nn::Checkpointed<torch::nn::Sequential> module(conv_block());
+    const auto result = misuse(*module, images, [&](const at::Tensor& x, bool checkpointed) {
+      module->set_checkpointing(checkpointed);
+      return module->forward(x);
+    }, [&] {
+      module->eval();
+      const torch::NoGradGuard no_grad;
+      module->forward(images);
+      module->train();
+    }, [] {});
+    CHECK(result.error.empty());
+    CHECK(result.off == 0);
+  }
+}
+
+TEST_CASE("a number, a tensor or a parameter the block reads, changed between the forward pass and backward: an Error, not the gradients of the new values") {
+  torch::manual_seed(36);
+  torch::nn::Linear linear(16, 16);
+  const auto rows = torch::randn({4, 16});
+  auto scale = std::make_shared<double>(3.0);
+  const auto scaled = [&](auto compute) {
+    return [compute, linear, scale](const at::Tensor& x, bool checkpointed) mutable {
+      auto fn = [compute, linear, scale](const at::Tensor& h) mutable { return compute(linear(h), *scale); };
+      return checkpointed ? mp::checkpoint(mp::CheckpointOptions().name("scaled"), fn, x) : fn(x);
+    };
+  };
+  const auto to8 = [scale] { *scale = 8.0; };
+  const auto to3 = [scale] { *scale = 3.0; };
+  SUBCASE("a number read after the block's last op that saves a tensor: y = linear(x) * s") {
+    const auto result = misuse(*linear, rows, scaled([](const at::Tensor& y, double s) { return y * s; }), to8, to3);
+    MESSAGE("linear(x) * s, s changed: " << outcome_of(result));
+    CHECK(result.error.find("checkpointed block 'scaled' computed other values when recomputed") != std::string::npos);
+    CHECK(result.error.find("in the forward pass") != std::string::npos);
+  }
+  SUBCASE("a number read before one: y = gelu(linear(x) * s)") {
+    const auto result = misuse(*linear, rows, scaled([](const at::Tensor& y, double s) { return torch::gelu(y * s); }), to8, to3);
+    MESSAGE("gelu(linear(x) * s), s changed: " << outcome_of(result));
+    CHECK(result.error.find("computed other values") != std::string::npos);
+  }
+  SUBCASE("a tensor it captured, modified in place") {
+    const auto mask = torch::full({16}, 3.0);
+    const auto result = misuse(*linear, rows, [&](const at::Tensor& x, bool checkpointed) {
+      auto fn = [linear, mask](const at::Tensor& h) mutable { return linear(h) * mask; };
+      return checkpointed ? mp::checkpoint(fn, x) : fn(x);
+    }, [&] { mask.fill_(8.0); }, [&] { mask.fill_(3.0); });
+    MESSAGE("linear(x) * mask, mask.fill_(8): " << outcome_of(result));
+    CHECK(result.error.find("computed other values") != std::string::npos);
+    CHECK(result.error.find("checkpointed block ") != std::string::npos);  // named by its lambda's type
+  }
+  SUBCASE("a parameter stepped in place (an optimizer step before backward)") {
+    torch::nn::Sequential model{mp::nn::Checkpointed<torch::nn::Sequential>(mlp())};
+    REQUIRE(mp::apply_checkpointing(model, {"0"}).size() == 1);
+    auto block = model[0]->as<mp::nn::CheckpointedImpl<torch::nn::Sequential>>();
+    const auto weight = block->inner()[0]->as<torch::nn::Linear>()->weight;
+    const auto result = misuse(*model, rows, [&](const at::Tensor& x, bool checkpointed) {
+      block->set_checkpointing(checkpointed);
+      return model->forward(x);
+    }, [&] {
+      const torch::NoGradGuard no_grad;
+      weight.add_(0.5);
+    }, [&] {
+      const torch::NoGradGuard no_grad;
+      weight.sub_(0.5);
+    });
+    MESSAGE("a Linear's weight += 0.5 before backward: " << outcome_of(result));
+    CHECK(result.error.find("parameter '0.weight' (shape [16, 16], Float) of checkpointed module '0' "
+                            "(mixprec::nn::Checkpointed<torch::nn::Sequential>) was modified in place "
+                            "between the forward pass and backward") != std::string::npos);
+  }
+}
+
 // ---- What must happen once per forward pass reads the checkpoint's pass (core/).
 
 TEST_CASE("a recompute counts no fp8 operand for advise(), and the forward pass no gradient twice") {
@@ -769,4 +1002,88 @@ TEST_CASE("against torch.utils.checkpoint(use_reentrant=False): the same loss an
 TEST_CASE("against torch.utils.checkpoint(use_reentrant=False): the same loss and gradients, bitwise, bf16 autocast" *
           doctest::skip(!mp::mixed_dtype_norms)) {
   check_against_python({"bf16"});
+}
+
+// ---- The misuses above against torch.utils.checkpoint(use_reentrant=False) on the same kinds
+// of models (parity_checkpoint.py misuse): where Python raises CheckpointError, where it returns
+// the gradients of what the forward pass computed, and where those of the changed state.
+
+namespace {
+
+// Debian's Python torch 1.13 beside LibTorch 1.13 has no recompute check: its eval() case raises
+// an unrelated RuntimeError and its BatchNorm case crashes the interpreter.
+constexpr bool kNoPythonCheck = TORCH_VERSION_MAJOR < 2;
+
+}  // namespace
+
+TEST_CASE("against torch.utils.checkpoint: an Error wherever Python raises CheckpointError or returns the gradients of the changed state" *
+          doctest::skip(kNoPythonCheck)) {
+  const auto output = test::temp_path("parity_checkpoint_misuse.txt");
+  std::remove(output.c_str());
+  const std::filesystem::path script = MIXPREC_CHECKPOINT_SCRIPT;
+  const auto command = std::string(MIXPREC_SYSTEM_PYTHON) + " " + script.string() + " - " + output + " misuse";
+  REQUIRE(std::system(command.c_str()) == 0);
+  // case -> (Python's outcome, its gradients' difference from the unchanged run's)
+  std::map<std::string, std::pair<std::string, double>> python;
+  for (const auto& [key, values] : read_python(output)) {
+    std::istringstream fields(key);
+    std::string misuse, name, outcome;
+    fields >> misuse >> name >> outcome;
+    python[name] = {outcome, values.empty() ? NAN : values[0]};
+  }
+  torch::manual_seed(30);
+  const auto seq = torch::randn({5, 2, 16}), images = torch::randn({4, 3, 6, 6}), rows = torch::randn({4, 16});
+  torch::nn::Linear linear(16, 16);
+  auto scale = std::make_shared<double>(3.0);
+  const auto mask = torch::full({16}, 3.0);
+  const auto block_of = [&](auto fn) {
+    return [fn](const at::Tensor& x, bool checkpointed) mutable { return checkpointed ? mp::checkpoint(fn, x) : fn(x); };
+  };
+  auto step = mlp();
+  const auto weight = step[0]->as<torch::nn::Linear>()->weight;
+  const auto add = [weight](double v) {
+    return [weight, v] {
+      const torch::NoGradGuard no_grad;
+      weight.add_(v);
+    };
+  };
+  const std::map<std::string, std::function<Misuse()>> ours{
+      {"encoder_eval", [&] { return module_mode_misuse(mp::nn::Checkpointed<torch::nn::TransformerEncoderLayer>(encoder_options()), seq, true); }},
+      {"conv_bn_eval", [&] { return module_mode_misuse(mp::nn::Checkpointed<torch::nn::Sequential>(conv_block()), images, true); }},
+      {"conv_bn_train", [&] { return module_mode_misuse(mp::nn::Checkpointed<torch::nn::Sequential>(conv_block()), images, false); }},
+      {"mlp_eval", [&] { return module_mode_misuse(mp::nn::Checkpointed<torch::nn::Sequential>(mlp()), rows, true); }},
+      {"scalar_after", [&] {
+         return misuse(*linear, rows, block_of([linear, scale](const at::Tensor& h) mutable { return linear(h) * *scale; }),
+                       [scale] { *scale = 8.0; }, [scale] { *scale = 3.0; });
+       }},
+      {"scalar_before", [&] {
+         return misuse(*linear, rows, block_of([linear, scale](const at::Tensor& h) mutable { return torch::gelu(linear(h) * *scale); }),
+                       [scale] { *scale = 8.0; }, [scale] { *scale = 3.0; });
+       }},
+      {"captured_tensor", [&] {
+         return misuse(*linear, rows, block_of([linear, mask](const at::Tensor& h) mutable { return linear(h) * mask; }),
+                       [mask] { mask.fill_(8.0); }, [mask] { mask.fill_(3.0); });
+       }},
+      {"parameter_step", [&] { return misuse(*step, rows, block_of([step](const at::Tensor& h) mutable { return step->forward(h); }), add(0.5), add(-0.5)); }},
+  };
+  REQUIRE(python.size() == ours.size());
+  for (const auto& [name, run] : ours) {
+    CAPTURE(name);
+    REQUIRE(python.count(name) == 1);
+    const auto& [outcome, off] = python.at(name);
+    const auto mine = run();
+    MESSAGE(name << ": Python " << outcome << (outcome == "gradient" ? " off by " + std::to_string(off) : "")
+                 << "; mixprec " << outcome_of(mine).substr(0, 160));
+    CHECK(!mine.error.empty());  // mixprec: an Error in every case
+  }
+  // Python's outcomes, as docs/guide.md states them: CheckpointError where the mode changes
+  // what the block saves; the right gradients where nothing it saves changes (another mode of a
+  // block without dropout or BatchNorm, a number read after its last saving op: its graph keeps
+  // the first run's number); the gradients of the new values where a saved tensor changes.
+  for (const auto* name : {"encoder_eval", "conv_bn_eval", "conv_bn_train"}) CHECK(python.at(name).first == "CheckpointError");
+  for (const auto* name : {"mlp_eval", "scalar_after"}) CHECK(python.at(name) == std::make_pair(std::string("gradient"), 0.0));
+  for (const auto* name : {"scalar_before", "captured_tensor", "parameter_step"}) {
+    CHECK(python.at(name).first == "gradient");
+    CHECK(python.at(name).second > 1);
+  }
 }

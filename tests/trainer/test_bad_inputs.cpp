@@ -144,7 +144,7 @@ TEST_CASE("catalogue: bad calls on a training run are Errors that change nothing
        [&](World& w) { w.trainer.save((tmp / "no_such_dir" / "run.ckpt").string()); }},
       {"load() of a missing file", "cannot read checkpoint",
        [&](World& w) { w.trainer.load((tmp / "catalogue_missing.ckpt").string()); }},
-      {"load() of a directory", "not a regular file",
+      {"load() of a directory that holds no checkpoint", "holds no 'index.json'",
        [&](World& w) {
          std::filesystem::create_directories(tmp / "catalogue_dir.ckpt");
          w.trainer.load((tmp / "catalogue_dir.ckpt").string());

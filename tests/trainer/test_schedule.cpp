@@ -147,14 +147,16 @@ TEST_CASE("lr_lambda: Python's LambdaLR, base lr times f(step) per group") {
 }
 
 TEST_CASE("lr_lambda: a param group added later joins the schedule at the step it joins") {
-  Setup s;  // the model; an SGD over fc1 alone, fc2 added after 3 steps (unfrozen)
+  // Added after 2 steps, where warmup is 0.75, not 1: a base taken from fc1's scheduled lr
+  // (LibTorch 1.13's add_param_group gives fc1's group a new options object) would show.
+  Setup s;  // the model; an SGD over fc1 alone, fc2 added after 2 steps (unfrozen)
   torch::optim::SGD sgd(s.net->fc1->parameters(), torch::optim::SGDOptions(0.1));
   mp::Trainer<mp::FullPrecision> trainer(s.net, sgd, mp::TrainerOptions().lr_lambda(warmup));
-  for (std::int64_t k = 0; k < 3; ++k) micro(trainer, s, k);
+  for (std::int64_t k = 0; k < 2; ++k) micro(trainer, s, k);
   sgd.add_param_group(torch::optim::OptimizerParamGroup(
       s.net->fc2->parameters(),
       std::make_unique<torch::optim::SGDOptions>(torch::optim::SGDOptions(0.2))));
-  for (std::int64_t k = 3; k < 6; ++k) {
+  for (std::int64_t k = 2; k < 6; ++k) {
     CAPTURE(k);
     std::vector<double> during;  // the lrs optimizer step k uses, read in its forward pass
     trainer.step([&] {
@@ -363,4 +365,123 @@ TEST_CASE("an optimizer without get_lr(): StepReport::lr is NaN, and a schedule 
                        doctest::Contains("have no get_lr()"), mp::Error);
   mp::Trainer<mp::FullPrecision> trainer(s.net, plain);
   CHECK(std::isnan(micro(trainer, s, 0).lr));
+}
+
+namespace {
+
+// `opt = SGD(groups, defaults)`, Python's way to change the lr, where LibTorch compiles it
+// (1.13's optimizers are not move-assignable: the callers are skipped there).
+template <class Opt>
+void assign_groups(Opt& opt, std::vector<torch::optim::OptimizerParamGroup> groups) {
+  if constexpr (std::is_move_assignable_v<Opt>) {
+    opt = Opt(std::move(groups), torch::optim::SGDOptions(0.3));
+  }
+}
+
+// Python's StepLR built on a new optimizer before optimizer step `from` (last_epoch from - 1,
+// each group's initial_lr its lr): its constructor's step is step `from`'s, then one per step.
+double step_lr_from(double lr, std::int64_t from, std::int64_t k, std::int64_t step_size,
+                    double gamma) {
+  for (std::int64_t e = from; e <= k; ++e) {
+    if (e % step_size == 0) lr *= gamma;
+  }
+  return lr;
+}
+
+// A scheduler of the user's that keeps each group's lr at its construction as its base, as
+// Python's LambdaLR does: base * 0.5^(steps / 2).
+struct HalvingFromBase : torch::optim::LRScheduler {
+  explicit HalvingFromBase(torch::optim::Optimizer& optimizer)
+      : LRScheduler(optimizer), base_(get_current_lrs()) {}
+  std::vector<double> get_lrs() override {
+    std::vector<double> lrs;
+    for (const double b : base_) lrs.push_back(b * std::ldexp(1.0, -static_cast<int>(step_count_ / 2)));
+    return lrs;
+  }
+  std::vector<double> base_;
+};
+
+}  // namespace
+
+TEST_CASE_TEMPLATE("a new optimizer brings its lrs: lr_lambda and StepLR go on from them at the "
+                   "Trainer's step, as Python's schedulers built on it there" *
+                       doctest::skip(!test::optimizers_assignable),
+                   P, mp::FullPrecision, mp::MixedO2<at::BFloat16>) {
+  // guide.md's way to change the lr: `opt = SGD(...)`. The reference: Python's LambdaLR and
+  // StepLR built on the new optimizer with last_epoch = k - 1 (it arrives before optimizer step
+  // k = 6, a StepLR boundary): 0.3 * f(k) for LambdaLR (0.1265625 at k = 6), 0.3 decayed at
+  // the boundaries from k on for StepLR (0.15 at 6, 7, 8; 0.075 at 9). Before the fix the
+  // lambda went back to the old base (0.0316 at step 7), StepLR missed step 6's decay (0.3).
+  for (const bool lambda : {true, false}) {
+    CAPTURE(lambda);
+    Setup s;
+    auto options = mp::TrainerOptions();
+    if (lambda) {
+      options.lr_lambda(warmup);
+    } else {
+      options.lr_scheduler(std::make_shared<torch::optim::StepLR>(s.sgd, 3, 0.5));
+    }
+    mp::Trainer<P> trainer(s.net, s.sgd, options);
+    for (std::int64_t k = 0; k < 10; ++k) {
+      CAPTURE(k);
+      if (k == 6) {
+        std::vector<torch::optim::OptimizerParamGroup> groups;
+        groups.emplace_back(s.net->fc1->parameters(),
+                            std::make_unique<torch::optim::SGDOptions>(torch::optim::SGDOptions(0.3)));
+        groups.emplace_back(s.net->fc2->parameters(),
+                            std::make_unique<torch::optim::SGDOptions>(torch::optim::SGDOptions(0.08)));
+        assign_groups(s.sgd, std::move(groups));
+      }
+      const auto expected = [&](double first, double now) {
+        if (lambda) return (k < 6 ? first : now) * warmup(k);
+        return k < 6 ? step_lr(first, k, 3, 0.5) : step_lr_from(now, 6, k, 3, 0.5);
+      };
+      std::vector<double> during;  // the lrs optimizer step k uses, read in its forward pass
+      const auto report = trainer.step([&] {
+        during = lrs_of(s.sgd);
+        return torch::nn::functional::cross_entropy(s.net->forward(trainer.cast_input(s.x)), s.y);
+      });
+      CHECK(during == std::vector<double>{expected(0.1, 0.3), expected(0.04, 0.08)});
+      CHECK(report.lr == expected(0.1, 0.3));
+    }
+  }
+}
+
+TEST_CASE("a scheduler that keeps base lrs of its own, and a param group added later: an Error "
+          "before anything changes, until it gives an lr per group") {
+  // Python 2.13's scheduler step() raises there (zip(..., strict=True): "zip() argument 2 is
+  // shorter than argument 1"), after optimizer.step(). Before the fix every step() after the
+  // group arrived took the optimizer step, then threw LibTorch's c10::Error ("Number of
+  // learning rates not equal to the number of param groups"), the schedule frozen at 0.05.
+  Setup s;
+  torch::optim::SGD sgd(s.net->fc1->parameters(), torch::optim::SGDOptions(0.1));
+  auto scheduler = std::make_shared<HalvingFromBase>(sgd);
+  mp::Trainer<mp::FullPrecision> trainer(s.net, sgd, mp::TrainerOptions().lr_scheduler(scheduler));
+  for (std::int64_t k = 0; k < 3; ++k) micro(trainer, s, k);
+  sgd.add_param_group(torch::optim::OptimizerParamGroup(
+      s.net->fc2->parameters(),
+      std::make_unique<torch::optim::SGDOptions>(torch::optim::SGDOptions(0.2))));
+  const auto weights = test::snapshot(s.net->parameters());
+  const auto lrs = lrs_of(sgd);
+  for (int attempt = 0; attempt < 2; ++attempt) {
+    CHECK_THROWS_WITH_AS(micro(trainer, s, 3),
+                         doctest::Contains("returns 1 lrs for the optimizer's 2 param groups"),
+                         mp::Error);
+    CHECK(test::identical(test::snapshot(s.net->parameters()), weights));
+    CHECK(lrs_of(sgd) == lrs);
+    CHECK(trainer.stats().steps == 3);
+  }
+  scheduler->base_.push_back(0.2);  // the way on the Error names: an lr for the new group
+  for (std::int64_t k = 3; k < 8; ++k) {
+    CAPTURE(k);
+    std::vector<double> during;
+    trainer.step([&] {
+      during = lrs_of(sgd);
+      return torch::nn::functional::cross_entropy(s.net->forward(s.x), s.y);
+    });
+    const double factor = std::ldexp(1.0, -static_cast<int>(k / 2));
+    // Step 3 used the lr the old step set (0.05) and the new group's own; then the schedule.
+    CHECK(during == std::vector<double>{0.1 * factor, k == 3 ? 0.2 : 0.2 * factor});
+  }
+  CHECK_FALSE(test::identical(test::snapshot(s.net->parameters()), weights));  // it trains
 }

@@ -220,3 +220,61 @@ TEST_CASE("ProgressLine: plain lines where the output is not a terminal, a redra
     CHECK(text.back() == '\n');
   }
 }
+
+TEST_CASE("StepLogger and ProgressLine follow the Trainer's resets: the micro-batches load() or "
+          "drop_accumulation() dropped are not in the logged loss") {
+  // The reference: the Trainer's own reports. Before the fix, the micro-batch that load()
+  // discarded (its loss 1000 times the others) stayed in the tally: the line of the step after
+  // load() logged 378.26 where the mean of its two micro-batches was 1.13.
+  torch::manual_seed(9);
+  auto net = torch::nn::Sequential(torch::nn::Linear(6, 12), torch::nn::Tanh(), torch::nn::Linear(12, 3));
+  torch::optim::SGD sgd(net->parameters(), torch::optim::SGDOptions(0.1));
+  std::ostringstream log_out, progress_out;
+  mp::StepLogger log(log_out);
+  mp::ProgressLine progress(progress_out, 0, mp::ProgressOptions().interval(0));
+  std::vector<mp::StepReport> reports;
+  mp::Trainer<mp::FullPrecision> trainer(
+      net, sgd, mp::TrainerOptions().accumulation_steps(2).on_step([&](const mp::StepReport& r) {
+        reports.push_back(r);
+        log(r);
+        progress(r);
+      }));
+  const auto x = torch::randn({8, 6});
+  const auto y = torch::randint(0, 3, {8}, at::kLong);
+  const auto micro = [&](double factor) {
+    return trainer.step([&] { return torch::nn::functional::cross_entropy(net->forward(x), y) * factor; });
+  };
+  const auto path = temp("step_log_reset.ckpt");
+  micro(1);
+  micro(1);
+  trainer.save(path);
+  micro(1000);  // dropped by the load() below
+  trainer.load(path);
+  micro(1);
+  micro(1);
+  micro(1000);  // dropped by drop_accumulation()
+  CHECK(trainer.drop_accumulation() == 1);
+  micro(1);
+  micro(1);
+  std::vector<std::int64_t> micro_batches;
+  for (const auto& r : reports) micro_batches.push_back(r.micro_batch);
+  CHECK(micro_batches == std::vector<std::int64_t>{1, 2, 1, 1, 2, 1, 1, 2});
+  const auto lines = lines_of(log_out.str());
+  const auto progress_lines = lines_of(progress_out.str());
+  REQUIRE(lines.size() == 4U);  // the header and steps 1, 2 (after load()) and 3
+  REQUIRE(progress_lines.size() == 3U);
+  for (const std::size_t k : {1U, 2U}) {
+    CAPTURE(k);
+    // The two micro-batches of the step the line ends, as the Trainer reported them.
+    const auto& first = reports[3 * k];
+    const auto& last = reports[3 * k + 1];
+    const double mean = (first.loss.item<double>() + last.loss.item<double>()) / 2;
+    const auto fields = fields_of(lines[k + 1]);
+    REQUIRE(fields.size() == 7U);
+    CHECK(std::stoll(fields[0]) == last.step);
+    CHECK(std::stod(fields[1]) == mean);
+    CHECK(progress_lines[k].rfind("step " + std::to_string(last.step) + "  loss " +
+                                      mp::detail::number(static_cast<float>(mean)) + " ",
+                                  0) == 0);
+  }
+}

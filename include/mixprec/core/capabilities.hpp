@@ -1,11 +1,15 @@
 #pragma once
 /// What this LibTorch and this CPU can do in low precision: compile-time flags of the LibTorch in
-/// use, the CPU's instruction-set flags, and the one case where fp16 training on a CPU is
-/// pathologically slow. The Trainer and mixprec::advise consult them; so can a user's code.
+/// use, the CPU's instruction-set flags, whether bf16 is faster or slower than fp32 here, and the
+/// one case where fp16 training on a CPU is pathologically slow. The Trainer and mixprec::advise
+/// consult them; so can a user's code.
 ///
 ///   const auto& cpu = mixprec::cpu_capabilities();
+///   if (cpu.bf16_slow) { /* bf16 saves memory here, not time: FullPrecision is faster */ }
 ///   if (cpu.fp16_conv_weight_grad_slow) { /* use mixprec::nn::Conv2d with fp32_weight_grad */ }
-///   std::cout << cpu;  // "AMD EPYC ...: avx2 avx512f avx512_bf16; fp16 convolutions: ..."
+///   std::cout << cpu;  // "AMD EPYC ...: avx2 avx512f avx512_bf16; bf16: ...; fp16 convolutions: ..."
+///
+/// The flags and the bf16 verdict (no timing) are cpu_flags.hpp's.
 ///
 /// The slow case is decided from what cannot flip: the flags (AVX512-FP16 without AMX-FP16 sends
 /// fp16 convolutions to oneDNN, whose weight gradient there is its reference loop). A timing only
@@ -15,9 +19,11 @@
 /// process tree decides once.
 
 #include <mixprec/core/compat.hpp>
+#include <mixprec/core/cpu_flags.hpp>
 #include <mixprec/core/error.hpp>
 
 #include <ATen/ATen.h>
+#include <ATen/Context.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/grad_mode.h>
 
@@ -34,11 +40,7 @@
 #include <ostream>
 #include <sstream>
 #include <string>
-
-#if defined(__x86_64__) || defined(__i386__)
-#include <cpuid.h>
-#define MIXPREC_X86_CPUID 1
-#endif
+#include <utility>
 
 namespace mixprec {
 
@@ -47,86 +49,7 @@ namespace mixprec {
 /// "slow:106". Set, cpu_capabilities() times nothing and takes it; a bad value is an Error.
 inline constexpr const char* fp16_conv_weight_grad_env = "MIXPREC_FP16_CONV_WEIGHT_GRAD";
 
-/// What decided CpuCapabilities::fp16_conv_weight_grad_slow.
-enum class Fp16ConvBasis {
-  flags,             ///< the flags rule the slow path out; nothing timed
-  flags_and_timing,  ///< the flags say slow, and the timing could not show fp16 fast
-  timing,            ///< the flags say slow, but fp16 timed unmistakably fast: not slow
-  environment,       ///< MIXPREC_FP16_CONV_WEIGHT_GRAD (a parent process decided); nothing timed
-};
-
-/// The CPU's low-precision features, and what they mean for training in fp16 on it.
-struct CpuCapabilities {
-  std::string model;         ///< /proc/cpuinfo's "model name", or "" where unknown
-  bool avx2 = false;
-  bool avx512f = false;
-  bool avx512_bf16 = false;  ///< bf16 dot products (AMD Zen 4, Intel Cooper Lake and later)
-  bool avx512_fp16 = false;  ///< fp16 arithmetic (Intel Sapphire Rapids and later)
-  bool amx_bf16 = false;     ///< bf16 tile matrix products (Sapphire Rapids and later)
-  bool amx_fp16 = false;     ///< fp16 tile matrix products (Granite Rapids and later)
-  /// fp16 convolution weight gradients go to oneDNN's reference loop (`ref:any`): LibTorch sends
-  /// fp16 convolutions to oneDNN on a CPU with AVX512-FP16, whose weight-gradient kernel needs
-  /// AMX-FP16. Measured on a Sapphire Rapids Xeon: 114-385x fp32 per convolution, 37-39x for a
-  /// whole CNN step (Python torch too). Decided by the flags; see fp16_conv_weight_grad_basis.
-  bool fp16_conv_weight_grad_slow = false;
-  /// fp16 / fp32 time of a small convolution weight gradient, the minima of interleaved samples
-  /// (0: not measured, because the flags rule the case out or a parent process decided).
-  double fp16_conv_weight_grad_ratio = 0.0;
-  /// What decided fp16_conv_weight_grad_slow.
-  Fp16ConvBasis fp16_conv_weight_grad_basis = Fp16ConvBasis::flags;
-  /// How long the probe took, in seconds (the flags: microseconds; the timing: ~0.1 s).
-  double probe_seconds = 0.0;
-};
-
 namespace detail {
-
-#ifdef MIXPREC_X86_CPUID
-inline bool cpuid_bit(unsigned leaf, unsigned subleaf, int reg, unsigned bit) {
-  unsigned r[4] = {0, 0, 0, 0};
-  if (__get_cpuid_count(leaf, subleaf, &r[0], &r[1], &r[2], &r[3]) == 0) return false;
-  return ((r[reg] >> bit) & 1U) != 0;
-}
-// XCR0: which register states the operating system saves (AVX-512's opmask/ZMM, AMX's tiles).
-inline std::uint64_t xcr0() {
-  if (!cpuid_bit(1, 0, 2, 27)) return 0;  // OSXSAVE
-  unsigned lo = 0, hi = 0;
-  __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
-  return (static_cast<std::uint64_t>(hi) << 32) | lo;
-}
-#endif
-
-inline std::string cpu_model_name() {
-  std::ifstream in("/proc/cpuinfo");
-  std::string line;
-  while (std::getline(in, line)) {
-    if (line.rfind("model name", 0) == 0) {
-      const auto colon = line.find(':');
-      if (colon == std::string::npos) break;
-      auto name = line.substr(colon + 1);
-      name.erase(0, name.find_first_not_of(' '));
-      return name;
-    }
-  }
-  return "";
-}
-
-inline CpuCapabilities cpu_flags() {
-  CpuCapabilities c;
-  c.model = cpu_model_name();
-#ifdef MIXPREC_X86_CPUID
-  const auto x = xcr0();
-  const bool avx_state = (x & 0x6) == 0x6;       // SSE + AVX
-  const bool avx512_state = (x & 0xE6) == 0xE6;  // + opmask, ZMM_Hi256, Hi16_ZMM
-  const bool amx_state = (x & 0x60000) == 0x60000;  // XTILECFG + XTILEDATA
-  c.avx2 = avx_state && cpuid_bit(7, 0, 1, 5);
-  c.avx512f = avx512_state && cpuid_bit(7, 0, 1, 16);
-  c.avx512_bf16 = c.avx512f && cpuid_bit(7, 1, 0, 5);
-  c.avx512_fp16 = c.avx512f && cpuid_bit(7, 0, 3, 23);
-  c.amx_bf16 = amx_state && cpuid_bit(7, 0, 3, 22);
-  c.amx_fp16 = amx_state && cpuid_bit(7, 1, 0, 21);
-#endif
-  return c;
-}
 
 // The timing's convolution (16 -> 32 channels, 3x3, 14x14): big enough that the reference loop
 // is over 100x fp32 on the Xeon (an 8-channel one measures ~48x on a quiet machine).
@@ -255,8 +178,10 @@ struct OneIntraOpThread {
 
 inline CpuCapabilities probe_cpu() {
   const auto start = std::chrono::steady_clock::now();
+  auto flags = decide_bf16(cpu_flags(), x86_cpu, onednn_max_isa_setting(),
+                           at::globalContext().hasMKLDNN());
   std::optional<OneIntraOpThread> one_thread;  // from the first sample to the end of the probe
-  auto c = decide_fp16_conv(cpu_flags(), cpu_half_math, std::getenv(fp16_conv_weight_grad_env),
+  auto c = decide_fp16_conv(std::move(flags), cpu_half_math, std::getenv(fp16_conv_weight_grad_env),
                             [&one_thread](at::ScalarType dtype, int ops) {
                               if (!one_thread) one_thread.emplace();
                               return conv_weight_grad_seconds(dtype, ops);
@@ -307,8 +232,8 @@ inline std::string fp16_conv_weight_grad_setting(const CpuCapabilities& c) {
   return text.str();
 }
 
-/// "AMD EPYC 9R14: avx2 avx512f avx512_bf16; fp16 convolution weight gradients: ATen's kernels
-/// (no AVX512-FP16) (probed in 0.1 ms)".
+/// "AMD EPYC 9R14: avx2 avx512f avx512_bf16; bf16: native (oneDNN, AVX512-BF16 or AMX-BF16); fp16
+/// convolution weight gradients: ATen's kernels (no AVX512-FP16) (probed in 0.1 ms)".
 inline std::ostream& operator<<(std::ostream& out, const CpuCapabilities& c) {
   out << (c.model.empty() ? std::string("unknown CPU") : c.model) << ":";
   const std::pair<bool, const char*> flags[] = {
@@ -316,6 +241,16 @@ inline std::ostream& operator<<(std::ostream& out, const CpuCapabilities& c) {
       {c.avx512_fp16, "avx512_fp16"}, {c.amx_bf16, "amx_bf16"}, {c.amx_fp16, "amx_fp16"}};
   for (const auto& [on, name] : flags) {
     if (on) out << ' ' << name;
+  }
+  if (!c.onednn_max_isa.empty()) out << " (oneDNN capped: ONEDNN_MAX_CPU_ISA=" << c.onednn_max_isa << ")";
+  out << "; bf16: ";
+  switch (c.bf16_kernels) {
+    case Bf16Kernels::native: out << "native (oneDNN, AVX512-BF16 or AMX-BF16)"; break;
+    case Bf16Kernels::emulated: out << "slower than fp32 (oneDNN converts: no AVX512-BF16)"; break;
+    case Bf16Kernels::fallback:
+      out << "slower than fp32 (ATen's own loops: no AVX-512 for oneDNN)";
+      break;
+    case Bf16Kernels::unknown: out << "not known (not an x86 CPU)"; break;
   }
   out << "; fp16 convolution weight gradients: ";
   const auto precision = out.precision(3);

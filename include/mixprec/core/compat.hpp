@@ -125,6 +125,20 @@ inline std::string aten_cpu_capability() {
 #endif
 }
 
+// The sizes an autograd node recorded for one of its inputs (the shape of what its op made), or
+// none: LibTorch 1.13 keeps them private, and a nested tensor's are a tensor. (A template, so
+// that this header needs no autograd header.)
+template <class InputMetadata>
+std::optional<c10::SymIntArrayRef> recorded_sizes(const InputMetadata& metadata) {
+#if TORCH_VERSION_MAJOR >= 2
+  if (metadata.is_nested_tensor()) return std::nullopt;
+  return metadata.shape_as_dim_vector();
+#else
+  (void)metadata;
+  return std::nullopt;
+#endif
+}
+
 // ATen's fused Adam (adamw = false) or AdamW kernel over one batch of same-device tensors; a
 // no-op where fused_adam_available is false (callers check it first).
 struct FusedAdamBatch {
@@ -181,6 +195,38 @@ inline float float8_value(c10::ScalarType, std::uint8_t) {
 }
 #endif
 
+// The block-scaled product (at::_scaled_mm_v2: a list of decoding scales per operand, each with
+// its ScalingType and swizzle as ints, ATen/BlasBackend.h's enums) and the dtypes of its scales
+// and fp4 operands, where this LibTorch has them (2.9 and later); Undefined dtypes and an
+// Error elsewhere (the callers ask has_block_scaled_mm first).
+#if __has_include(<ATen/ops/_scaled_mm_v2.h>)
+inline constexpr bool has_block_scaled_mm = true;
+inline constexpr c10::ScalarType float8_e8m0 = c10::ScalarType::Float8_e8m0fnu;
+inline constexpr c10::ScalarType float4_e2m1x2 = c10::ScalarType::Float4_e2m1fn_x2;
+inline at::Tensor block_scaled_mm(const at::Tensor& a, const at::Tensor& b,
+                                  const std::vector<at::Tensor>& scale_a,
+                                  const std::vector<std::int64_t>& recipe_a,
+                                  const std::vector<std::int64_t>& swizzle_a,
+                                  const std::vector<at::Tensor>& scale_b,
+                                  const std::vector<std::int64_t>& recipe_b,
+                                  const std::vector<std::int64_t>& swizzle_b,
+                                  c10::ScalarType out_dtype) {
+  return at::_scaled_mm_v2(a, b, scale_a, recipe_a, swizzle_a, scale_b, recipe_b, swizzle_b,
+                           std::nullopt, out_dtype);
+}
+#else
+inline constexpr bool has_block_scaled_mm = false;
+inline constexpr c10::ScalarType float8_e8m0 = c10::ScalarType::Undefined;
+inline constexpr c10::ScalarType float4_e2m1x2 = c10::ScalarType::Undefined;
+inline at::Tensor block_scaled_mm(const at::Tensor&, const at::Tensor&,
+                                  const std::vector<at::Tensor>&, const std::vector<std::int64_t>&,
+                                  const std::vector<std::int64_t>&, const std::vector<at::Tensor>&,
+                                  const std::vector<std::int64_t>&, const std::vector<std::int64_t>&,
+                                  c10::ScalarType) {
+  TORCH_CHECK(false, "mixprec: block-scaled matrix products need LibTorch >= 2.9");
+}
+#endif
+
 // A dtype as Python's files name it: torch's name ("float32", as in torch.float32, which
 // torch.save's _rebuild_tensor_v3 pickles), safetensors' ("F32"; empty where it has none), the
 // legacy storage class torch.save pickles for it ("FloatStorage"; empty for the dtypes it saves as
@@ -221,6 +267,17 @@ inline const std::vector<FileDtype>& file_dtypes() {
 #else
       {"float8_e4m3fnuz", "F8_E4M3FNUZ", "", none, "2.2"},
       {"float8_e5m2fnuz", "F8_E5M2FNUZ", "", none, "2.2"},
+#endif
+#if MIXPREC_TORCH_AT_LEAST(2, 7)
+      {"float8_e8m0fnu", "F8_E8M0", "", ScalarType::Float8_e8m0fnu, "2.7"},
+#else
+      {"float8_e8m0fnu", "F8_E8M0", "", none, "2.7"},
+#endif
+#if MIXPREC_TORCH_AT_LEAST(2, 8)
+      // Two fp4 values a byte: safetensors' shape counts values (its last size doubled).
+      {"float4_e2m1fn_x2", "F4", "", ScalarType::Float4_e2m1fn_x2, "2.8"},
+#else
+      {"float4_e2m1fn_x2", "F4", "", none, "2.8"},
 #endif
 #if MIXPREC_TORCH_AT_LEAST(2, 3)
       {"uint16", "U16", "", ScalarType::UInt16, "2.3"},

@@ -101,7 +101,7 @@ struct Digits {
 
 /// A block format's members (Moments8bit, Moments4bit, MomentsFp8).
 template <MomentFormat Format, std::int64_t Block, std::int64_t DefaultBlock>
-struct BlockFormat {
+struct MomentBlockFormat {
   static_assert(Block >= 1 && Block <= kMaxMomentBlock,
                 "mixprec: a block format's block size is 1 to 65536 elements");
   static_assert(Format != MomentFormat::dynamic4 || Block % 2 == 0,
@@ -116,15 +116,15 @@ struct BlockFormat {
 /// Adam's moments in 8 bits, torchao's AdamW8bit: a dynamic quantization map (signed for
 /// exp_avg, unsigned for exp_avg_sq), one fp32 scale (the block's largest magnitude) per block.
 template <std::int64_t Block = 256>
-struct Moments8bit : detail::BlockFormat<MomentFormat::dynamic8, Block, 256> {};
+struct Moments8bit : detail::MomentBlockFormat<MomentFormat::dynamic8, Block, 256> {};
 /// Adam's moments in 4 bits, torchao's AdamW4bit: its 4-bit maps (a signed dynamic map for
 /// exp_avg, 16 linear steps for exp_avg_sq), two codes a byte, one fp32 scale per block.
 template <std::int64_t Block = 128>
-struct Moments4bit : detail::BlockFormat<MomentFormat::dynamic4, Block, 128> {};
+struct Moments4bit : detail::MomentBlockFormat<MomentFormat::dynamic4, Block, 128> {};
 /// Adam's moments as float8_e4m3fn, torchao's AdamWFp8: one fp32 scale per block maps the
 /// block's largest magnitude to 448.
 template <std::int64_t Block = 256>
-struct MomentsFp8 : detail::BlockFormat<MomentFormat::fp8, Block, 256> {};
+struct MomentsFp8 : detail::MomentBlockFormat<MomentFormat::fp8, Block, 256> {};
 
 namespace detail {
 
@@ -172,7 +172,7 @@ struct FormatSuffix<F, Block, true> {
 };
 
 template <MomentFormat F, std::int64_t Block, std::int64_t Default>
-struct MomentsOf<BlockFormat<F, Block, Default>> {
+struct MomentsOf<MomentBlockFormat<F, Block, Default>> {
   // A tensor that stays unquantized keeps fp32 moments (StorageTag makes them bf16 for a bf16
   // tensor under StochasticRounding, as torchao keeps them in the parameter's dtype).
   static constexpr c10::ScalarType dtype = c10::ScalarType::Float;
@@ -181,11 +181,11 @@ struct MomentsOf<BlockFormat<F, Block, Default>> {
   static constexpr std::int64_t block = Block;
 };
 template <std::int64_t Block>
-struct MomentsOf<Moments8bit<Block>> : MomentsOf<typename Moments8bit<Block>::BlockFormat> {};
+struct MomentsOf<Moments8bit<Block>> : MomentsOf<typename Moments8bit<Block>::MomentBlockFormat> {};
 template <std::int64_t Block>
-struct MomentsOf<Moments4bit<Block>> : MomentsOf<typename Moments4bit<Block>::BlockFormat> {};
+struct MomentsOf<Moments4bit<Block>> : MomentsOf<typename Moments4bit<Block>::MomentBlockFormat> {};
 template <std::int64_t Block>
-struct MomentsOf<MomentsFp8<Block>> : MomentsOf<typename MomentsFp8<Block>::BlockFormat> {};
+struct MomentsOf<MomentsFp8<Block>> : MomentsOf<typename MomentsFp8<Block>::MomentBlockFormat> {};
 
 struct StorageNames {
   static constexpr std::string_view fp32 = "Fp32Masters";

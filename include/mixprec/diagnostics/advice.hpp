@@ -42,6 +42,10 @@ struct AdviseOptions {
   /// output gradient) that may round to 0 under tensorwise scaling, where its largest |x| maps
   /// to e4m3's 448 (e5m2's 57344 for gradients): below 2^-10 (2^-17) after scaling.
   TORCH_ARG(double, fp8_underflow_tolerance) = 1e-2;
+  /// The share of the Float8Linear layers (the last ones, in named_modules() order) that
+  /// NVFP4 keeps in bf16: NVIDIA's recipe keeps about 15% of the linear layers, most of them
+  /// at the end of the network, where 4-bit weight gradients err most (arXiv 2509.25149).
+  TORCH_ARG(double, nvfp4_bf16_share) = 0.15;
 };
 
 /// What the fp32 steps showed of one fp8 operand of a Float8Linear: under tensorwise scaling,
@@ -53,6 +57,10 @@ struct Fp8OperandAdvice {
   /// Fractions that would round to 0 with one scale per row (along the last dimension), per
   /// column (along the others), and with one power-of-2 scale for the whole tensor.
   double flushed_rows = 0.0, flushed_columns = 0.0, flushed_power_of_2 = 0.0;
+  /// Fractions that would round to 0 in the block-scaled recipes' casts along the last
+  /// dimension: MXFP8 (FLOOR, blocks of 32), blockwise fp8 (1x128), NVFP4 (1x16); -1 where that
+  /// dimension is no multiple of the block.
+  double flushed_mxfp8 = 0.0, flushed_blockwise = 0.0, flushed_nvfp4 = 0.0;
 };
 
 /// Whether MixedFP8 can hold one mixprec::nn::Float8Linear, per recipe: no operand loses more
@@ -66,11 +74,23 @@ struct Fp8LayerAdvice {
   std::string rowwise_reason;
   bool rowwise_with_gw_hp = true;  ///< RowwiseScalingWithGwHp: rows; the weight also as a whole
   std::string rowwise_with_gw_hp_reason;
+  /// The block-scaled recipes: the features must be multiples of the block and no operand lose
+  /// more than the tolerance in its cast along the last dimension; NVFP4 keeps its share of the
+  /// last layers in bf16 (AdviseOptions::nvfp4_bf16_share) and judges the shapes only.
+  bool mxfp8 = true, blockwise = true, nvfp4 = true;
+  std::string mxfp8_reason, blockwise_reason, nvfp4_reason;
 
   /// The verdict for MixedFP8<Recipe>.
   template <class Recipe>
   bool holds() const {
-    if constexpr (!Recipe::rowwise) {
+    constexpr auto block = detail::block_format_of<Recipe>();
+    if constexpr (block == BlockFormat::mxfp8) {
+      return mxfp8;
+    } else if constexpr (block == BlockFormat::blockwise_fp8) {
+      return blockwise;
+    } else if constexpr (block == BlockFormat::nvfp4) {
+      return nvfp4;
+    } else if constexpr (!Recipe::rowwise) {
       return fp8;
     } else if constexpr (Recipe::weight_grad_fp8) {
       return rowwise;
@@ -117,6 +137,9 @@ struct Advice {
   /// On a CPU whose fp16 convolution weight gradients are oneDNN's reference loop
   /// (CpuCapabilities::fp16_conv_weight_grad_slow): the model's convolutions that would take it.
   std::vector<std::string> slow_fp16_convolutions;
+  /// On a CPU: bf16 computes slower than fp32 there (CpuCapabilities::bf16_slow, no bf16
+  /// hardware that LibTorch uses); a reason then says what a bf16 recommendation costs.
+  bool slow_bf16 = false;
   /// The model's mixprec::nn::Float8Linear layers (those that ran), and whether fp8 holds each.
   std::vector<Fp8LayerAdvice> fp8_layers;
 
@@ -289,7 +312,8 @@ inline std::ostream& operator<<(std::ostream& out, const Advice& advice) {
     text << "  fp8 (MixedFP8, tensorwise scaling): per operand max |x|, % of nonzero rounding to "
          << "0, % subnormal; the verdict per recipe\n  " << std::left << std::setw(fw) << "layer"
          << std::setw(24) << "  input (e4m3)" << std::setw(24) << "  weight (e4m3)"
-         << std::setw(24) << "  grad_output (e5m2)" << "  tensorwise  rowwise  gw_hp\n";
+         << std::setw(24) << "  grad_output (e5m2)"
+         << "  tensorwise  rowwise  gw_hp  mxfp8  blockwise  nvfp4\n";
     const auto verdict = [](bool ok, int cells) {
       std::ostringstream cell;
       cell << std::left << std::setw(cells) << (ok ? "ok" : "bf16");
@@ -298,8 +322,9 @@ inline std::ostream& operator<<(std::ostream& out, const Advice& advice) {
     for (const auto& l : advice.fp8_layers) {
       text << "  " << std::setw(fw) << l.name << "  " << std::setw(22) << operand(l.input) << "  "
            << std::setw(22) << operand(l.weight) << "  " << std::setw(22)
-           << operand(l.grad_output) << "  " << verdict(l.fp8, 12) << verdict(l.rowwise, 8)
-           << (l.rowwise_with_gw_hp ? "ok" : "bf16") << '\n';
+           << operand(l.grad_output) << "  " << verdict(l.fp8, 12) << verdict(l.rowwise, 9)
+           << verdict(l.rowwise_with_gw_hp, 7) << verdict(l.mxfp8, 7) << verdict(l.blockwise, 11)
+           << (l.nvfp4 ? "ok" : "bf16") << '\n';
     }
     text << std::right;
     for (const auto& l : advice.fp8_layers) {
@@ -312,6 +337,12 @@ inline std::ostream& operator<<(std::ostream& out, const Advice& advice) {
         text << "  keep " << l.name << " in bf16 under MixedFP8<RowwiseScalingWithGwHp>: "
              << l.rowwise_with_gw_hp_reason << '\n';
       }
+      if (!l.mxfp8) text << "  keep " << l.name << " in bf16 under MixedFP8<MXFP8Scaling>: " << l.mxfp8_reason << '\n';
+      if (!l.blockwise) {
+        text << "  keep " << l.name << " in bf16 under MixedFP8<BlockwiseFP8Scaling>: "
+             << l.blockwise_reason << '\n';
+      }
+      if (!l.nvfp4) text << "  keep " << l.name << " in bf16 under MixedFP8<NVFP4Scaling>: " << l.nvfp4_reason << '\n';
     }
   }
   return out << text.str();

@@ -152,7 +152,9 @@ Advice advise(torch::nn::Module& model, LossFn&& loss_fn, const AdviseOptions& o
   if (advice.device == c10::DeviceType::CPU && cpu_capabilities().fp16_conv_weight_grad_slow) {
     advice.slow_fp16_convolutions = nn::detail::fp16_weight_grad_convolutions(model);
   }
+  advice.slow_bf16 = advice.device == c10::DeviceType::CPU && cpu_capabilities().bf16_slow;
   detail::decide(advice);
+  detail::explain_slow_bf16(advice);
   detail::explain_slow_fp16_convolutions(advice);
   return advice;
 }

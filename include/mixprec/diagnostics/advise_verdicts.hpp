@@ -106,6 +106,45 @@ inline void judge_layers(std::vector<LayerAdvice>& layers,
   }
 }
 
+/// The block-scaled recipes' verdicts on one layer: features the block tiles, and (MXFP8,
+/// blockwise) no operand losing more than `tolerance` of its nonzero elements to 0 in its cast
+/// along the last dimension. NVFP4, whose 4-bit values round a block's elements below a 24th
+/// of its largest to 0 by design, is judged on its shapes here and on its depth by the caller.
+inline void judge_block_recipes(Fp8LayerAdvice& layer, const Fp8Watch::Operands& operands,
+                                const torch::nn::Module* module, double tolerance) {
+  const auto* linear = dynamic_cast<const nn::Float8LinearImpl*>(module);
+  const std::int64_t in = linear != nullptr ? linear->options.in_features() : 0;
+  const std::int64_t out = linear != nullptr ? linear->options.out_features() : 0;
+  const auto check = [&](bool& holds, std::string& reason, std::int64_t block, const char* format,
+                         std::int64_t Fp8Watch::Operand::*flushed, double Fp8OperandAdvice::*share) {
+    if (in % block != 0 || out % block != 0) {
+      holds = false;
+      reason = "its features (" + std::to_string(in) + " -> " + std::to_string(out) +
+               ") are no multiples of " + format + "'s block of " + std::to_string(block);
+      return;
+    }
+    const char* what[] = {"inputs", "weights", "output gradients"};
+    Fp8OperandAdvice* advice[] = {&layer.input, &layer.weight, &layer.grad_output};
+    for (int r = 0; r < 3; ++r) {
+      const auto& o = operands[r];
+      const double fraction = o.*flushed < 0 ? 0.0
+                              : static_cast<double>(o.*flushed) /
+                                    static_cast<double>(std::max<std::int64_t>(o.nonzero, 1));
+      advice[r]->*share = fraction;
+      if (!holds || share == &Fp8OperandAdvice::flushed_nvfp4 || fraction <= tolerance) continue;
+      holds = false;
+      reason = short_number(100 * fraction) + "% of its nonzero " + what[r] + " would round to 0 " +
+               "in " + format + " (one scale per block of " + std::to_string(block) + ")";
+    }
+  };
+  check(layer.mxfp8, layer.mxfp8_reason, 32, "MXFP8", &Fp8Watch::Operand::flushed_mxfp8,
+        &Fp8OperandAdvice::flushed_mxfp8);
+  check(layer.blockwise, layer.blockwise_reason, 128, "blockwise fp8",
+        &Fp8Watch::Operand::flushed_blockwise, &Fp8OperandAdvice::flushed_blockwise);
+  check(layer.nvfp4, layer.nvfp4_reason, 16, "NVFP4", &Fp8Watch::Operand::flushed_nvfp4,
+        &Fp8OperandAdvice::flushed_nvfp4);
+}
+
 /// Whether fp8 holds each of the model's Float8Linear layers that `watch` saw, per recipe, in
 /// named_modules() order. A recipe fails a layer where one of the casts it makes of an operand
 /// would round more than fp8_underflow_tolerance of its nonzero elements to 0.
@@ -152,7 +191,18 @@ inline std::vector<Fp8LayerAdvice> judge_fp8_layers(const torch::nn::Module& mod
     fill(layer.input, Fp8Role::input, "inputs", "e4m3");
     fill(layer.weight, Fp8Role::weight, "weights", "e4m3");
     fill(layer.grad_output, Fp8Role::grad_output, "output gradients", "e5m2");
+    judge_block_recipes(layer, *operands, item.value().get(), tolerance);
     result.push_back(std::move(layer));
+  }
+  // NVFP4 keeps the last layers in bf16 (NVIDIA's recipe: about 15% of them).
+  const auto share = options.nvfp4_bf16_share();
+  const auto kept = static_cast<std::size_t>(std::ceil(share * static_cast<double>(result.size())));
+  for (std::size_t i = result.size() - std::min(kept, result.size()); i < result.size(); ++i) {
+    if (!result[i].nvfp4) continue;
+    result[i].nvfp4 = false;
+    result[i].nvfp4_reason = "NVIDIA's NVFP4 recipe keeps the last " + short_number(100 * share) +
+                             "% of the linear layers in bf16, where 4-bit weight gradients err "
+                             "most (AdviseOptions::nvfp4_bf16_share)";
   }
   return result;
 }
@@ -215,7 +265,10 @@ inline void decide(Advice& advice) {
   }
   advice.recommended = std::string(MixedO2<at::BFloat16>::name);
   if (advice.fp16_safe) {
-    why.push_back("bf16 holds every layer; on the CPU bf16 is computed natively and fp16 is not "
+    why.push_back(std::string(advice.slow_bf16
+                                  ? "bf16 holds every layer and needs no loss scaling "
+                                  : "bf16 holds every layer; on the CPU bf16 is computed natively "
+                                    "and fp16 is not ") +
                   "(fp16 would also fit, with a loss scale from " + power_of_two(low) + " to " +
                   power_of_two(high) + ")");
     return;
@@ -231,6 +284,19 @@ inline void decide(Advice& advice) {
   why.push_back("to use fp16 anyway: MixedO1<Half> with " +
                 (keep16.empty() ? std::string("a loss scale per layer group") : list(keep16)) +
                 " outside autocast (mixprec::AutocastGuard(device, at::kHalf, false))");
+}
+
+/// After decide's reasons: on a CPU where bf16 computes slower than fp32 (advice.slow_bf16), what
+/// a recommendation that computes in bf16 costs there, and what is faster.
+inline void explain_slow_bf16(Advice& advice) {
+  if (!advice.slow_bf16) return;
+  const bool computes_bf16 = advice.recommended.find("BFloat16") != std::string::npos ||
+                             advice.recommended.find("MixedFP8") != std::string::npos;
+  if (!computes_bf16) return;
+  advice.reasons.push_back("bf16 is slower than fp32 on this CPU: " +
+                           slow_bf16_reason(cpu_capabilities()) + "; " + advice.recommended +
+                           " still halves the memory of what it stores in bf16, but for speed "
+                           "here train in FullPrecision");
 }
 
 /// The last reason, after decide's: on a CPU whose fp16 convolution weight gradients are oneDNN's

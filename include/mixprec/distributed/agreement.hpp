@@ -3,6 +3,7 @@
 // tensors), the same counts, the same step() call, one verdict on inf/NaN, "did any rank ...".
 // Each is one small collective over Collectives; a disagreement is an Error on every rank.
 
+#include <mixprec/core/held_shards.hpp>
 #include <mixprec/distributed/collectives.hpp>
 #include <mixprec/core/error.hpp>
 
@@ -16,7 +17,8 @@
 
 namespace mixprec::detail {
 
-// FNV-1a over the names, dtypes, shapes and requires_grad of a module's tensors.
+// FNV-1a over the names, dtypes, shapes and requires_grad of a module's tensors, and which
+// parameters are held in shards (core/held_shards.hpp).
 inline std::uint64_t module_fingerprint(const torch::nn::Module& module) {
   std::uint64_t hash = 14695981039346656037ULL;
   auto mix = [&](const void* data, std::size_t size) {
@@ -32,6 +34,8 @@ inline std::uint64_t module_fingerprint(const torch::nn::Module& module) {
   };
   for (const auto& item : module.named_parameters()) {
     mix_tensor("p:" + item.key(), item.value(), item.value().requires_grad());
+    const bool held = HeldShards::is_placeholder(item.value());  // its value in shards
+    mix(&held, sizeof held);
   }
   for (const auto& item : module.named_buffers()) mix_tensor("b:" + item.key(), item.value(), false);
   return hash;
@@ -50,9 +54,9 @@ inline void check_same_model(const Collectives& comm, const torch::nn::Module& m
   }
   MIXPREC_CHECK(differ.empty(), "rank ", comm.rank(), ": the models of ranks ",
                 at::IntArrayRef(std::vector<std::int64_t>(differ.begin(), differ.end())),
-                " differ from rank 0's in their parameters or buffers (names, shapes, dtypes "
-                "or requires_grad): build the same model, and freeze the same parameters, on "
-                "every rank");
+                " differ from rank 0's in their parameters or buffers (names, shapes, dtypes, "
+                "requires_grad, or which are held in shards): build the same model, and freeze "
+                "the same parameters, on every rank");
 }
 
 /// Whether two counts are the same on every rank (one all_gather).

@@ -3,6 +3,7 @@
 // (DDP's broadcast_buffers), and the parameters too when DataParallel starts. One flat
 // broadcast per dtype, bit for bit.
 
+#include <mixprec/core/held_shards.hpp>
 #include <mixprec/distributed/collectives.hpp>
 #include <mixprec/core/tensor_set.hpp>
 
@@ -21,7 +22,10 @@ inline void broadcast_from_rank0(const Collectives& comm, torch::nn::Module& mod
                                  bool parameters) {
   std::vector<at::Tensor> tensors;
   if (parameters) {
-    for (const auto& p : model.parameters()) tensors.push_back(p);
+    for (const auto& p : model.parameters()) {
+      // Held in shards (a unit's, built so): no value here; its pieces are laid out as they are.
+      if (!HeldShards::is_placeholder(p)) tensors.push_back(p);
+    }
   }
   for (const auto& b : model.buffers()) tensors.push_back(b);
   tensors = unique_tensors(tensors);

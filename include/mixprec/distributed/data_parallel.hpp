@@ -24,7 +24,9 @@
 #include <mixprec/distributed/buffers.hpp>
 #include <mixprec/distributed/collectives.hpp>
 #include <mixprec/distributed/gradient_reducer.hpp>
+#include <mixprec/distributed/held_params.hpp>
 #include <mixprec/distributed/sharded_checkpoint.hpp>
+#include <mixprec/distributed/sharded_build.hpp>
 #include <mixprec/distributed/sharded_optimizer.hpp>
 #include <mixprec/distributed/sharded_units.hpp>
 #include <mixprec/distributed/step_group.hpp>
@@ -66,6 +68,9 @@ class DataParallel final : public detail::StepGroup {
         units_(shards_),
         plan_(detail::plan_units(model, options_.shard_parameters())) {
     check_same_model(model);
+    // Parameters held in shards (a ShardedBuild's): the units' are laid out from their pieces
+    // by shard(), the others gathered whole now; rank 0's values reach every rank for the rest.
+    detail::take_held(comm_, model, plan_, held_);
     broadcast_from_rank0(model, /*parameters=*/true);
   }
 
@@ -100,6 +105,15 @@ class DataParallel final : public detail::StepGroup {
   /// Whether the optimizer steps this rank's shard only (DistributedOptions::shard_optimizer_state).
   bool sharded() const noexcept override { return reducer_.sharded(); }
 
+  /// Sharded: this rank's piece of `param` and where it starts in the flattened tensor.
+  at::Tensor piece_of(const at::Tensor& param, std::int64_t& offset) const override {
+    const auto& layout = reducer_.layout();
+    const auto i = layout.find(param);
+    if (i == detail::BucketLayout::npos) return {};
+    offset = layout.slots()[i].piece_from;
+    return layout.slots()[i].piece;
+  }
+
   /// Sharded: lays out the optimizer's tensors listed in `fresh` in buckets sliced across the
   /// ranks, and replaces each of them in the optimizer by this rank's piece of it
   /// (ShardedOptimizer::shard). Collective; bind() hooks the gradients next.
@@ -115,7 +129,15 @@ class DataParallel final : public detail::StepGroup {
     MIXPREC_CHECK(units_.empty(), "DistributedOptions::shard_parameters: the units are laid "
                   "out once, when the Trainer is built; a later param group cannot join them");
     const auto ranges = shards_.shard(optimizer, fresh, copies, storage, &plan_.unit_of,
-                                      plan_.paths.size());
+                                      plan_.paths.size(), &held_.by_param());
+    // A held unit's parameter that the optimizer does not train stays whole, as a frozen one.
+    for (const auto& [p, shard] : held_.taken()) {
+      if (shards_.layout().find(p) == detail::BucketLayout::npos) {
+        at::NoGradGuard no_grad;
+        p.set_data(detail::gather_shard(*shard, p.sizes()).to(p.scalar_type()));
+      }
+    }
+    held_.consumed();
     units_.take(plan_, ranges);
   }
   detail::LeanMasters* lean_rounding() noexcept override { return shards_.lean_rounding(); }
@@ -167,6 +189,15 @@ class DataParallel final : public detail::StepGroup {
   /// tensors (the copies; the views see the model's) and of its state, the optimizer its
   /// param groups' options.
   void scatter_state(torch::optim::Optimizer& full) override { detail::scatter_state(shards_, full); }
+
+  /// Sharded checkpoints: the laid-out tensors and this rank's pieces of them; a piece's value
+  /// and its assignment; a bucket's fp32 values gathered (collective).
+  std::vector<detail::ShardSlot> shard_slots() const override { return detail::shard_slots(shards_); }
+  at::Tensor piece_value(std::size_t slot) const override { return shards_.piece_value(slot); }
+  void assign_piece(std::size_t slot, const at::Tensor& value) override {
+    shards_.assign_piece(slot, value);
+  }
+  at::Tensor gather_fp32(std::size_t bucket) override { return detail::gather_fp32(shards_, bucket); }
 
   /// Before a backward pass: `sync` on the micro-batch after which gradients are reduced
   /// (the last of an accumulation); before the others nothing is communicated. `first`: the
@@ -224,6 +255,7 @@ class DataParallel final : public detail::StepGroup {
   detail::ShardedOptimizer shards_;
   detail::ShardedUnits units_;  // after shards_: its destructor reads the layout
   detail::UnitPlan plan_;
+  detail::TakenShards held_;  // the units' held parameters, until shard() lays them out
 };
 
 namespace detail {

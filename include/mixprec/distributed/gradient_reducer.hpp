@@ -105,7 +105,8 @@ class GradientReducer {
   }
 
   /// Every bucket's buffer anew (zeros), after the layout grew or its buckets were sliced;
-  /// sharded gradients: every bucket's slice, the full-size buffers made when they fill.
+  /// sharded gradients: every bucket's slice (unwritten), the full-size buffers made when they
+  /// fill.
   void allocate_flats(const at::TensorOptions& options) {
     auto& s = *state_;
     const auto& slots = s.layout.slots();
@@ -116,7 +117,10 @@ class GradientReducer {
     for (std::size_t b = 0; b < buckets.size(); ++b) {
       if (s.shard_grads) {
         s.bucket_steps[b].flat = at::Tensor();
-        s.bucket_steps[b].slice = at::zeros({buckets[b].chunk}, options);
+        // Written whole by each reduction before it is read: its pages are not touched (not
+        // resident) until the first backward pass, so a ZeRO-2/3 Trainer's construction costs
+        // its masters, not its gradients too.
+        s.bucket_steps[b].slice = at::empty({buckets[b].chunk}, options);
         continue;
       }
       const auto extra = b + 1 == buckets.size() ? static_cast<std::int64_t>(slots.size()) : 0;

@@ -37,7 +37,7 @@ class LeanPieces {
                          : slot.param.detach().view({-1}).narrow(0, slot.piece_from, n);
     index_of_.emplace(slot.piece.unsafeGetTensorImpl(), slots_.size());
     slots_.push_back(i);
-    lean_.add(slot.low, slot.piece, tensor, slot.piece_from);
+    lean_.add(slot.low, slot.piece, tensor, slot.piece_from, slot.param.numel());
   }
 
   /// A piece's bf16 value and what is kept of it, for the one-pass step (lean_adam_step), which
@@ -49,6 +49,30 @@ class LeanPieces {
   }
 
   bool empty() const noexcept { return slots_.empty(); }
+
+  /// Slot `i`'s fp32 value (a new tensor unless the piece holds it now); undefined for a slot
+  /// that is no lean piece.
+  at::Tensor value(const BucketLayout& layout, std::size_t i) const {
+    const auto& slot = layout.slots()[i];
+    const auto it = slot.piece.defined() ? index_of_.find(slot.piece.unsafeGetTensorImpl())
+                                         : index_of_.end();
+    if (it == index_of_.end()) return at::Tensor();
+    return lean_.inflated(it->second) ? slot.piece : lean_.value(it->second, slot.low);
+  }
+
+  /// Slot `i`'s piece takes `value` (fp32, flat, a tensor of its own), then is stowed as after a
+  /// load; false for a slot that is no lean piece.
+  bool assign(BucketLayout& layout, std::size_t i, const at::Tensor& value) {
+    auto& slot = layout.slots()[i];
+    const auto it = slot.piece.defined() ? index_of_.find(slot.piece.unsafeGetTensorImpl())
+                                         : index_of_.end();
+    if (it == index_of_.end()) return false;
+    at::NoGradGuard no_grad;
+    lean_.inflate_with(it->second, slot.piece, value);
+    if (lean_.storage() == MasterStorage::stochastic) slot.low.copy_(value.reshape({-1}));
+    lean_.stow_one(it->second, slot.low, slot.piece, /*stepped=*/false);
+    return true;
+  }
 
   /// Every piece's fp32 value, for a step or a checkpoint.
   void inflate(BucketLayout& layout) {

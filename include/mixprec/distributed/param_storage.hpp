@@ -5,6 +5,7 @@
 // would make those saved references stale).
 
 #include <mixprec/core/error.hpp>
+#include <mixprec/core/held_shards.hpp>
 
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
@@ -25,6 +26,7 @@ inline bool storage_released(const at::Tensor& p) {
 
 /// An Error unless `p` owns its storage whole: contiguous, from its start, to its end.
 inline void check_own_storage(const at::Tensor& p, const std::string& name) {
+  if (HeldShards::is_placeholder(p)) return;  // held in shards: it gets storage of its own
   MIXPREC_CHECK(p.is_contiguous() && p.storage_offset() == 0 &&
                     p.storage().nbytes() == storage_bytes_of(p),
                 "DistributedOptions::shard_parameters: parameter '", name, "' of shape ",
@@ -33,9 +35,15 @@ inline void check_own_storage(const at::Tensor& p, const std::string& name) {
                 "tensor of its own");
 }
 
-/// `p`'s bytes freed; its sizes, strides and identity unchanged.
+/// `p`'s bytes freed; its sizes, strides and identity unchanged. A placeholder of a parameter
+/// held in shards first gets a storage of its own (allocated, never written: no page of it is
+/// touched).
 inline void release_storage(const at::Tensor& p) {
   if (storage_released(p)) return;
+  if (HeldShards::is_placeholder(p)) {
+    at::NoGradGuard no_grad;
+    p.set_data(at::empty(p.sizes(), p.options()));
+  }
   auto* impl = p.storage().unsafeGetStorageImpl();
   impl->set_data_ptr_noswap(at::DataPtr(nullptr, p.device()));
   impl->set_nbytes(static_cast<std::size_t>(0));

@@ -7,6 +7,7 @@
 // rows of its blocks in the whole tensor (the layout puts its slices on block boundaries).
 
 #include <mixprec/distributed/sharded_optimizer.hpp>
+#include <mixprec/distributed/step_group.hpp>
 #include <mixprec/optim/block_quantize.hpp>
 #include <mixprec/optim/sharded_state.hpp>
 
@@ -61,6 +62,39 @@ at::Tensor gather_rows(const ShardedOptimizer& shards, const Bucket& bucket, Mom
     mine.narrow(0, layout.in_slice(i, comm.rank()) / coding.block, value.size(0)).copy_(value);
   }
   return at::cat(comm.all_gather(mine));
+}
+
+/// Every laid-out tensor with this rank's piece of it, in the layout's order: what a sharded
+/// checkpoint writes and reads.
+inline std::vector<ShardSlot> shard_slots(const ShardedOptimizer& shards) {
+  std::vector<ShardSlot> result;
+  for (const auto& slot : shards.layout().slots()) {
+    ShardSlot s;
+    s.param = slot.param;
+    s.piece = slot.piece;
+    s.from = slot.piece_from;
+    s.group = slot.group;
+    s.index = slot.index;
+    s.bucket = slot.bucket;
+    s.offset = slot.offset;
+    s.copy = slot.copy;
+    s.unit = slot.unit;
+    s.master = slot.copy && slot.piece.defined() && slot.piece.scalar_type() == at::kFloat &&
+               slot.param.scalar_type() != at::kFloat;
+    result.push_back(std::move(s));
+  }
+  return result;
+}
+
+/// Bucket `b`'s fp32 values from every rank's pieces (a master's value, a lean one's made from
+/// what is kept), flat and padded. Collective.
+inline at::Tensor gather_fp32(const ShardedOptimizer& shards, std::size_t b) {
+  const auto& layout = shards.layout();
+  const auto& bucket = layout.buckets().at(b);
+  at::NoGradGuard no_grad;
+  return shards.gather_slices(bucket, at::kFloat, [&](const Slot& slot) {
+    return shards.piece_value(static_cast<std::size_t>(&slot - layout.slots().data()));
+  });
 }
 
 /// `full`, an optimizer of the user's type whose groups hold one full tensor per

@@ -18,6 +18,7 @@
 #include <mixprec/distributed/lean_pieces.hpp>
 #include <mixprec/optim/lean_moments.hpp>
 #include <mixprec/optim/sharded_state.hpp>
+#include <mixprec/core/held_shards.hpp>
 #include <mixprec/core/tensor_set.hpp>
 #include <mixprec/core/error.hpp>
 
@@ -53,11 +54,14 @@ class ShardedOptimizer {
   /// `unit_of` (ZeRO-3): the unit of each tensor that is in one, of `unit_count`; returns each
   /// unit's buckets, its tensors' pieces are always copies (fp32 where `copies`, else in the
   /// tensor's dtype). `storage`: a lean one keeps the copies of bf16 tensors as LeanPieces.
+  /// `held`: units' tensors held in shards (held_params.hpp), whose values are their pieces,
+  /// gathered one tensor at a time (or taken as they are where cut as here), in their dtype
+  /// from before the Trainer's cast.
   std::vector<BucketRange> shard(torch::optim::Optimizer& optimizer,
                                  const std::vector<std::pair<at::Tensor, at::Tensor>>& fresh,
                                  bool copies, PieceStorage storage = {},
                                  const std::unordered_map<const void*, std::size_t>* unit_of = nullptr,
-                                 std::size_t unit_count = 0) {
+                                 std::size_t unit_count = 0, const HeldByParam* held = nullptr) {
     static const std::unordered_map<const void*, std::size_t> no_units;
     const auto& in_unit = unit_of != nullptr ? *unit_of : no_units;
     auto& layout = reducer_.layout();
@@ -70,8 +74,9 @@ class ShardedOptimizer {
     for (std::size_t i = 0; i < fresh.size(); ++i) {
       const auto& t = fresh[i].first;
       fresh_index.emplace(t.unsafeGetTensorImpl(), i);
-      MIXPREC_CHECK(t.is_contiguous(), "shard_optimizer_state: a parameter of shape ", t.sizes(),
-                    " is not contiguous; make it so before building the Trainer");
+      MIXPREC_CHECK(t.is_contiguous() || HeldShards::is_placeholder(t), "shard_optimizer_state: "
+                    "a parameter of shape ", t.sizes(), " is not contiguous; make it so before "
+                    "building the Trainer");
       MIXPREC_CHECK(layout.find(t) == BucketLayout::npos, "a param group added to the "
                     "optimizer holds a model tensor of shape ", t.sizes(), " that it already "
                     "trains (sharded, in an earlier group): put each tensor in one group");
@@ -137,6 +142,20 @@ class ShardedOptimizer {
         std::tie(slot.group, slot.index) = places.at(slot.param.unsafeGetTensorImpl());
         slot.unit = in_unit.count(slot.param.unsafeGetTensorImpl()) == 1;
         const auto [from, to] = layout.slice_of(i, comm_.rank());
+        // Held in shards: its whole value, one tensor at a time on every rank (collective),
+        // unless this rank's piece is cut as here already (then on every rank).
+        at::Tensor held_value;
+        bool held_piece = false;
+        if (held != nullptr) {
+          if (const auto it = held->find(slot.param.unsafeGetTensorImpl()); it != held->end()) {
+            const auto& shard = *it->second;
+            held_piece = shard.cut == ShardCut{slot.offset, layout.buckets()[b].chunk} &&
+                         shard.group->world_size() == comm_.world_size() &&
+                         shard.group->rank() == comm_.rank();
+            held_value = held_piece ? shard.piece : gather_shard(shard, slot.param.sizes());
+            it->second->piece = at::Tensor();  // consumed: the pieces are never held twice
+          }
+        }
         if (from >= to) continue;
         slot.piece_from = from;
         const auto& fp32 = fresh[fresh_index.at(slot.param.unsafeGetTensorImpl())].second;
@@ -144,10 +163,11 @@ class ShardedOptimizer {
         // they are masters, else in the model's dtype (PureHalf steps its bf16 weights as they
         // are, sharded or not).
         slot.copy = slot.unit || (copies && slot.param.scalar_type() != at::kFloat);
-        const auto& value = fp32.defined() ? fp32 : slot.param;
+        const auto& value = held_value.defined() ? held_value : fp32.defined() ? fp32 : slot.param;
         const auto dtype = copies ? at::kFloat : slot.param.scalar_type();
-        slot.piece = slot.copy ? value.detach().to(dtype).reshape({-1}).narrow(0, from, to - from).clone()
-                               : slot.param.detach().view({-1}).narrow(0, from, to - from);
+        slot.piece = held_piece  ? value.to(dtype, false, /*copy=*/true)
+                     : slot.copy ? value.detach().to(dtype).reshape({-1}).narrow(0, from, to - from).clone()
+                                 : slot.param.detach().view({-1}).narrow(0, from, to - from);
         piece_slot_[slot.piece.unsafeGetTensorImpl()] = i;
       }
     }
@@ -230,6 +250,23 @@ class ShardedOptimizer {
     if (!lean_) return 0;
     const auto units = lean_->unit_bytes(reducer_.layout());
     return weights ? units : lean_->kept_bytes(reducer_.layout()) - units;
+  }
+
+  /// Slot `i`'s piece as its value: under a lean storage a master's fp32 value (a new
+  /// tensor), else the piece itself. A sharded checkpoint writes it.
+  at::Tensor piece_value(std::size_t i) const {
+    if (lean_) {
+      auto value = lean_->value(reducer_.layout(), i);
+      if (value.defined()) return value;
+    }
+    return reducer_.layout().slots()[i].piece;
+  }
+  /// Slot `i`'s piece takes `value` (flat, the piece's dtype), kept as the storage keeps it. A
+  /// sharded checkpoint's load.
+  void assign_piece(std::size_t i, const at::Tensor& value) {
+    if (lean_ && lean_->assign(reducer_.layout(), i, value)) return;
+    at::NoGradGuard no_grad;
+    reducer_.layout().slots()[i].piece.copy_(value.reshape({-1}));
   }
 
   /// A piece's value in the model's dtype where a lean storage keeps it so, else the piece.

@@ -6,7 +6,8 @@
 // rank's pieces are gathered into them in the model's dtype, after it they are released, and
 // an alias of its output gathers them again before its backward. The gradient reducer
 // releases each parameter once its gradient is in its bucket, and finish() releases what is
-// left.
+// left. When the Trainer goes, each rank keeps its pieces of the units' weights, held in shards
+// (sharded_build.hpp), never the units whole.
 //
 // Parameters outside every unit, and frozen ones, stay whole on every rank (ZeRO-2).
 
@@ -14,6 +15,7 @@
 #include <mixprec/core/error.hpp>
 #include <mixprec/distributed/bucket_layout.hpp>
 #include <mixprec/distributed/param_storage.hpp>
+#include <mixprec/distributed/sharded_build.hpp>
 #include <mixprec/distributed/sharded_optimizer.hpp>
 #include <mixprec/nn/module_patterns.hpp>
 #include <mixprec/nn/unit_hooks.hpp>
@@ -27,7 +29,6 @@
 
 #include <cstddef>
 #include <functional>
-#include <limits>
 #include <memory>
 #include <string>
 #include <unordered_map>
@@ -198,22 +199,35 @@ class ShardedUnits {
     std::size_t unit_;
   };
 
-  // The Trainer goes: the hooks come off, and each released weight comes back as NaN, so that
-  // a model used after its Trainer reads no plausible number (fp32_state_dict() before: the
-  // trained values).
+  // The Trainer goes: the hooks come off, and each unit's released weights are held in shards
+  // (core/held_shards.hpp) as this rank's pieces in the model's dtype, the parameters' data NaN
+  // placeholders: no unit is allocated whole (a forward outside a Trainer gathers a unit for
+  // its time, mixprec::unshard() for good). A unit whole now (its forward threw) stays whole.
   void detach() {
     at::NoGradGuard no_grad;
     const auto& layout = core_->shards.layout();
+    const auto group = std::make_shared<CollectiveShardGroup>(core_->shards.comm());
     for (auto& unit : core_->units) {
-      dynamic_cast<HookedModule&>(*unit.module).set_unit_hooks(nullptr);
+      auto& hooked = dynamic_cast<HookedModule&>(*unit.module);
+      hooked.set_unit_hooks(nullptr);
+      std::vector<std::shared_ptr<HeldShard>> held;  // until the unit's hooks own them
       for (auto b = unit.range.first; b < unit.range.last; ++b) {
-        for (const auto i : layout.buckets()[b].slots) {
-          const auto& p = layout.slots()[i].param;
+        const auto& bucket = layout.buckets()[b];
+        for (const auto i : bucket.slots) {
+          const auto& slot = layout.slots()[i];
+          const auto& p = slot.param;
           if (!storage_released(p)) continue;
-          allocate_storage(p);
-          storage_alias(p).fill_(std::numeric_limits<double>::quiet_NaN());
+          HeldShard shard;
+          shard.group = group;
+          shard.cut = ShardCut{slot.offset, bucket.chunk};
+          const auto& value = ShardedOptimizer::model_value(slot);
+          shard.piece = value.defined()
+                            ? value.detach().reshape({-1}).to(p.scalar_type(), false, /*copy=*/true)
+                            : at::empty({0}, p.options());
+          held.push_back(HeldShards::hold(p, std::move(shard)));
         }
       }
+      if (!held.empty()) hook_held_unit(*unit.module, hooked);
     }
   }
 

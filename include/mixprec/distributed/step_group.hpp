@@ -9,6 +9,7 @@
 #include <ATen/core/Tensor.h>
 #include <c10/core/Device.h>
 
+#include <cstddef>
 #include <cstdint>
 #include <memory>
 #include <utility>
@@ -29,6 +30,21 @@ namespace detail {
 
 class LeanMasters;  // optim/lean_masters.hpp
 struct LeanTarget;
+
+/// One tensor of the sharded optimizer state, as a sharded checkpoint writes and reads it:
+/// where it sits in the layout, and this rank's piece of it.
+struct ShardSlot {
+  at::Tensor param;         ///< the model tensor (a ZeRO-3 unit's has no bytes between uses)
+  at::Tensor piece;         ///< this rank's piece, the optimizer's tensor; undefined: none here
+  std::int64_t from = 0;    ///< where the piece starts in the flattened tensor
+  std::size_t group = 0;    ///< the param group that holds it, as an unsharded optimizer would
+  std::size_t index = 0;    ///< its place in that group
+  std::size_t bucket = 0;   ///< its bucket (gather_fp32)
+  std::int64_t offset = 0;  ///< where it starts in the bucket
+  bool copy = false;        ///< the piece has bytes of its own (else it is a view of param's)
+  bool unit = false;        ///< a ZeRO-3 unit's: param's bytes are released between uses
+  bool master = false;      ///< the piece is the fp32 master of a tensor of another dtype
+};
 
 class StepGroup {
  public:
@@ -69,6 +85,12 @@ class StepGroup {
 
   /// Whether the optimizer steps this rank's shard only.
   virtual bool sharded() const noexcept { return false; }
+  /// Sharded: this rank's piece of model tensor `param` (what the optimizer steps in its place;
+  /// its gradient is this rank's slice of the average), and in `offset` where the piece starts
+  /// in the flattened tensor; undefined where this rank holds none of it.
+  virtual at::Tensor piece_of(const at::Tensor& /*param*/, std::int64_t& /*offset*/) const {
+    return {};
+  }
   /// Lays out the optimizer's tensors that `fresh` lists ((model tensor, its fp32 value before
   /// the cast: needed where `copies` and the tensor is not fp32)) and puts this rank's pieces
   /// of them in their place in the optimizer, kept as `storage` says. Collective.
@@ -112,6 +134,20 @@ class StepGroup {
   /// The inverse, after `full` was loaded: this rank's pieces get their slices of `full`'s
   /// tensors (where they are copies) and state, the optimizer `full`'s options.
   virtual void scatter_state(torch::optim::Optimizer& /*full*/) {}
+
+  // Sharded checkpoints (trainer/sharded_save.hpp, sharded_load.hpp): piece by piece, never
+  // a whole tensor that this rank does not hold.
+
+  /// Every laid-out tensor, in the layout's order (bucket by bucket).
+  virtual std::vector<ShardSlot> shard_slots() const { return {}; }
+  /// Slot `i`'s piece as its value: a master's fp32 value where a lean storage keeps it (a new
+  /// tensor), else the piece itself.
+  virtual at::Tensor piece_value(std::size_t /*slot*/) const { return {}; }
+  /// Slot `i`'s piece takes `value` (flat, the piece's dtype), kept as the storage keeps it.
+  virtual void assign_piece(std::size_t /*slot*/, const at::Tensor& /*value*/) {}
+  /// Bucket `b`'s fp32 values, every rank's slice (flat, padded), for a streamed export.
+  /// Collective.
+  virtual at::Tensor gather_fp32(std::size_t /*bucket*/) { return {}; }
 };
 
 /// Makes the group a Trainer trains over; distributed.hpp defines it for DistributedOptions,

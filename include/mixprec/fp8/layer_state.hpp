@@ -4,7 +4,9 @@
 // scaling, the amax histories and the scales they give.
 
 #include <mixprec/core/compat.hpp>
+#include <mixprec/fp8/block_recipes.hpp>
 #include <mixprec/fp8/quantize.hpp>
+#include <mixprec/optim/lean_kernels.hpp>
 
 #include <ATen/ATen.h>
 #include <ATen/core/ivalue.h>
@@ -26,11 +28,24 @@ struct Fp8Settings {
   bool power_of_2_scales = false;
   bool grad_output_e4m3 = false;
   bool weight_grad_fp8 = true;
+  BlockFormat block = BlockFormat::none;  // the block-scaled recipes (block_recipes.hpp)
+  std::int64_t block_size = 0;
+  MxScale mx_scale = MxScale::floor;
+  bool two_dim_weights = false, stochastic_gradients = false, hadamard = false;  // NVFP4
 
   template <class Recipe>
   static Fp8Settings of() {
-    return {Recipe::delayed,           Recipe::history,          Recipe::margin, Recipe::rowwise,
-            Recipe::power_of_2_scales, Recipe::grad_output_e4m3, Recipe::weight_grad_fp8};
+    Fp8Settings s{Recipe::delayed,           Recipe::history,          Recipe::margin, Recipe::rowwise,
+                  Recipe::power_of_2_scales, Recipe::grad_output_e4m3, Recipe::weight_grad_fp8};
+    s.block = block_format_of<Recipe>();
+    if constexpr (block_format_of<Recipe>() != BlockFormat::none) s.block_size = Recipe::block;
+    if constexpr (block_format_of<Recipe>() == BlockFormat::mxfp8) s.mx_scale = Recipe::scale_mode;
+    if constexpr (block_format_of<Recipe>() == BlockFormat::nvfp4) {
+      s.two_dim_weights = Recipe::two_dim_weights;
+      s.stochastic_gradients = Recipe::stochastic_gradients;
+      s.hadamard = Recipe::hadamard;
+    }
+    return s;
   }
 };
 
@@ -125,6 +140,40 @@ class Fp8LayerState : public torch::CustomClassHolder {
     return keep(cast, quantize(x, scale, dtype(role)));
   }
 
+  /// Counts the amax of a block-scaled cast (its largest block's) toward this step's, where
+  /// recorded, as cast_rowwise does.
+  void note_amax(Fp8Cast cast, const at::Tensor& amax) {
+    const auto role = role_of(cast);
+    const bool forward = cast == Fp8Cast::input || cast == Fp8Cast::weight;
+    if ((forward && recording_) || role == Fp8Role::grad_output) {
+      auto& slot = slots_[static_cast<int>(role)];
+      const auto largest = amax.max().to(at::kFloat);
+      slot.pending = slot.pending.defined() ? at::maximum(slot.pending, largest) : largest;
+    }
+  }
+
+  /// NVFP4: the seed of this layer's random bits, its index among the Trainer's fp8 layers and
+  /// the draws made so far (one per backward pass). rounding_state() is [seed, draws] (int64),
+  /// what checkpoints keep.
+  void set_rounding(std::uint64_t seed, std::uint64_t layer) {
+    rounding_ = at::tensor({static_cast<std::int64_t>(seed), std::int64_t{0}}, at::kLong);
+    rounding_layer_ = layer;
+  }
+  at::Tensor& rounding_state() noexcept { return rounding_; }
+  std::uint64_t rounding_seed() const { return static_cast<std::uint64_t>(rounding_.data_ptr<std::int64_t>()[0]); }
+  std::uint64_t rounding_draws() const { return static_cast<std::uint64_t>(rounding_.data_ptr<std::int64_t>()[1]); }
+  /// The key of this backward pass's stochastic rounding of cast `which` (0: grad_input's
+  /// grad_output, 1: grad_weight's); advance_rounding() after the pass.
+  std::uint32_t rounding_key(int which) const {
+    return detail::rounding_key(rounding_seed(), rounding_draws(),
+                                2 * rounding_layer_ + static_cast<std::uint64_t>(which));
+  }
+  void advance_rounding() { rounding_.data_ptr<std::int64_t>()[1] += 1; }
+  /// The key of this layer's random Hadamard signs (a draw index no backward pass reaches).
+  std::uint32_t hadamard_key() const {
+    return detail::rounding_key(rounding_seed(), ~std::uint64_t{0}, rounding_layer_);
+  }
+
   /// This step's amaxes (undefined if no fp8 product ran).
   at::Tensor pending_amaxes() const {
     std::vector<at::Tensor> amaxes;
@@ -162,16 +211,6 @@ class Fp8LayerState : public torch::CustomClassHolder {
   }
   const Fp8Operands& operands() const noexcept { return operands_; }
 
- private:
-  Fp8Role role_of_slot(const Slot& slot) const {
-    return static_cast<Fp8Role>(&slot - slots_.data());
-  }
-  void move_to(c10::Device device) {
-    for (auto& slot : slots_) {
-      slot.history = slot.history.to(device);
-      slot.scale = slot.scale.to(device);
-    }
-  }
   // A copy of the first cast of each kind after keep_operands(), for last_operands().
   Fp8Tensor keep(Fp8Cast cast, Fp8Tensor result) {
     const auto index = static_cast<std::size_t>(cast);
@@ -183,17 +222,30 @@ class Fp8LayerState : public torch::CustomClassHolder {
                               &operands_.weight_for_grad_input,
                               &operands_.grad_output_for_grad_weight,
                               &operands_.input_for_grad_weight};
-      *targets[index] = {result.data.clone(), result.scale.clone()};
+      const auto copy = [](const at::Tensor& t) { return t.defined() ? t.clone() : t; };
+      *targets[index] = {copy(result.data), copy(result.scale), copy(result.tensor_scale)};
     }
     return result;
   }
 
+ private:
+  Fp8Role role_of_slot(const Slot& slot) const {
+    return static_cast<Fp8Role>(&slot - slots_.data());
+  }
+  void move_to(c10::Device device) {
+    for (auto& slot : slots_) {
+      slot.history = slot.history.to(device);
+      slot.scale = slot.scale.to(device);
+    }
+  }
   Fp8Settings settings_;
   bool recording_ = false;
   std::array<Slot, 3> slots_;
   bool keep_operands_ = false;
   std::array<bool, 6> kept_{};
   Fp8Operands operands_;
+  at::Tensor rounding_ = at::zeros({2}, at::kLong);  // NVFP4: [seed, draws]
+  std::uint64_t rounding_layer_ = 0;
 };
 
 }  // namespace mixprec::detail

@@ -63,17 +63,42 @@ class Fp8Layers {
     return found;
   }
 
-  /// Turns on fp8 in the layers find() returned.
+  /// find(), and for a block-scaled recipe, that each layer's features fill its blocks
+  /// (torchao's casts assert it; here an Error naming the layers, before anything changes).
   template <class Recipe>
-  void enable(Found found) {
+  static Found find(const torch::nn::Module& model, std::string_view policy) {
+    auto found = find(model, policy);
+    if constexpr (block_format_of<Recipe>() != BlockFormat::none) {
+      std::string misfits;
+      for (const auto& [name, layer] : found) {
+        const auto in = layer->options.in_features(), out = layer->options.out_features();
+        if (in % Recipe::block == 0 && out % Recipe::block == 0) continue;
+        misfits += (misfits.empty() ? "'" : ", '") + name + "' (" + std::to_string(in) + " -> " +
+                   std::to_string(out) + ")";
+      }
+      MIXPREC_CHECK(misfits.empty(), "Trainer<", policy, ">: the in and out features of a layer "
+                    "in", block_format_name(Recipe::block_format), " must be multiples of its "
+                    "block, ", Recipe::block, " (torchao refuses these shapes too); these are "
+                    "not: ", misfits, ". Keep them in bf16 with a precision map (PrecisionMap()"
+                    ".add(\"name\", Precision::low)); nothing was changed");
+    }
+    return found;
+  }
+
+  /// Turns on fp8 in the layers find() returned. `rounding_seed`: NVFP4's random bits
+  /// (TrainerOptions::rounding_seed).
+  template <class Recipe>
+  void enable(Found found, std::uint64_t rounding_seed = 0) {
     for (auto& [name, module] : found) {
       auto state = c10::make_intrusive<Fp8LayerState>(Fp8Settings::of<Recipe>());
+      state->set_rounding(rounding_seed, layers_.size());
       module->set_fp8_state(state);
       layers_.push_back({name, module, state});
     }
   }
 
   bool empty() const noexcept { return layers_.empty(); }
+  std::size_t size() const noexcept { return layers_.size(); }
 
   /// The amaxes of the step in progress, all layers (undefined: none).
   at::Tensor pending_amaxes() const {
@@ -89,11 +114,14 @@ class Fp8Layers {
     for (auto& layer : layers_) layer.state->finish_step(stepped);
   }
 
-  /// Delayed scaling's histories and scales by "<layer>.<operand>.amax_history" / ".scale"
-  /// (tensorwise: empty).
+  /// Delayed scaling's histories and scales by "<layer>.<operand>.amax_history" / ".scale",
+  /// NVFP4's random bits by "<layer>.rounding" ([seed, draws]; the other recipes: empty).
   c10::Dict<std::string, at::Tensor> state_dict() const {
     c10::Dict<std::string, at::Tensor> dict;
     for (const auto& layer : layers_) {
+      if (layer.state->settings().block == BlockFormat::nvfp4) {
+        dict.insert(layer.name + ".rounding", layer.state->rounding_state().clone());
+      }
       if (!layer.state->delayed()) continue;
       for (const auto role : {Fp8Role::input, Fp8Role::weight, Fp8Role::grad_output}) {
         const auto& slot = layer.state->slot(role);
@@ -121,6 +149,16 @@ class Fp8Layers {
                   dict.size(), " tensors, this model's fp8 layers have ", expected.size(),
                   ": another model or recipe");
     for (auto& layer : layers_) {
+      if (layer.state->settings().block == BlockFormat::nvfp4) {
+        const auto key = layer.name + ".rounding";
+        MIXPREC_CHECK(dict.contains(key) && dict.at(key).isTensor(), "'", source,
+                      "' lacks the NVFP4 rounding state '", key, "': another model");
+        const auto value = dict.at(key).toTensor();
+        MIXPREC_CHECK(value.scalar_type() == at::kLong && value.numel() == 2, "'", source,
+                      "': NVFP4 rounding state '", key, "' is not [seed, draws] (two int64); "
+                      "the file is damaged");
+        assignments.emplace_back(&layer.state->rounding_state(), value.reshape({2}).cpu());
+      }
       if (!layer.state->delayed()) continue;
       for (const auto role : {Fp8Role::input, Fp8Role::weight, Fp8Role::grad_output}) {
         auto& slot = layer.state->slot(role);
@@ -146,7 +184,7 @@ class Fp8Layers {
   }
 
   static void apply_state(std::vector<std::pair<at::Tensor*, at::Tensor>>& assignments) {
-    for (auto& [target, value] : assignments) *target = value.clone();
+    for (auto& [target, value] : assignments) *target = value.clone().contiguous();
   }
 
  private:

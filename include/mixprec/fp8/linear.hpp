@@ -16,6 +16,7 @@
 /// (docs/fp8.md).
 
 #include <mixprec/core/compat.hpp>
+#include <mixprec/fp8/block_linear.hpp>
 #include <mixprec/fp8/layer_state.hpp>
 #include <mixprec/fp8/quantize.hpp>
 #include <mixprec/fp8/recipes.hpp>
@@ -37,6 +38,7 @@
 #include <torch/nn/modules/linear.h>
 #include <torch/nn/pimpl.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <ostream>
 #include <utility>
@@ -113,9 +115,15 @@ class Float8LinearImpl : public torch::nn::LinearImpl, public mixprec::detail::M
       // Function::apply turns grad off. A checkpoint's recompute replays a forward that has
       // recorded its amaxes already: delayed scaling's histories take each step's once.
       fp8_->set_recording(at::GradMode::is_enabled() && !mixprec::detail::recomputing());
-      auto out = fp8_->settings().rowwise
-                     ? mixprec::detail::Fp8RowwiseLinearFunction::apply(x, weight, fp8_)
-                     : mixprec::detail::Fp8LinearFunction::apply(x, weight, fp8_);
+      at::Tensor out;
+      if (fp8_->settings().block != BlockFormat::none) {
+        check_block_input(x);
+        out = mixprec::detail::Fp8BlockLinearFunction::apply(x, weight, fp8_);
+      } else {
+        out = fp8_->settings().rowwise
+                  ? mixprec::detail::Fp8RowwiseLinearFunction::apply(x, weight, fp8_)
+                  : mixprec::detail::Fp8LinearFunction::apply(x, weight, fp8_);
+      }
       return bias.defined() ? out + bias.to(out.scalar_type()) : out;
     });
   }
@@ -153,6 +161,26 @@ class Float8LinearImpl : public torch::nn::LinearImpl, public mixprec::detail::M
   }
 
  private:
+  // The block-scaled recipes cast the layer's own dtype (bf16 under MixedFP8; torchao's casts
+  // take bf16 or fp32), and the weight gradient sums over the input's rows in blocks: a
+  // training step's rows must fill them (torchao's casts assert the same).
+  void check_block_input(const at::Tensor& x) const {
+    const auto& s = fp8_->settings();
+    MIXPREC_CHECK(x.scalar_type() == weight.scalar_type(), "mixprec::nn::Float8Linear",
+                  mixprec::detail::block_format_name(s.block), ": got a ", x.scalar_type(),
+                  " input for a ", weight.scalar_type(), " weight; the block casts take the "
+                  "layer's dtype: pass trainer.cast_input(x), or keep the layer out of fp8 "
+                  "with a precision map");
+    const auto rows = x.numel() / std::max<std::int64_t>(x.size(-1), 1);
+    const bool weight_grad = at::GradMode::is_enabled() && weight.requires_grad();
+    MIXPREC_CHECK(!weight_grad || rows % s.block_size == 0,
+                  "mixprec::nn::Float8Linear", mixprec::detail::block_format_name(s.block),
+                  ": a training step's input has ", rows, " rows (all dimensions but the last), "
+                  "not a multiple of ", s.block_size, ": the weight gradient sums over the rows "
+                  "in blocks of ", s.block_size, ". Make the batch (tokens per step) a multiple "
+                  "of ", s.block_size, ", or keep this layer in bf16 with a precision map");
+  }
+
   // Under advise(): the operands' ranges, for its fp8 verdict.
   // In a checkpointed block, each operand once: input and weight in the forward pass, the
   // gradient in the recompute's backward (the first run's graph is dropped unused).

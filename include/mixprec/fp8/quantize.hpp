@@ -14,6 +14,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <utility>
 
 namespace mixprec {
 
@@ -22,9 +23,16 @@ enum class Fp8Role { input, weight, grad_output };
 
 /// One operand in fp8: `data` (e4m3 or e5m2) is saturate(x * scale); `scale` fp32, 0-dim
 /// (tensorwise) or one per row or column of a 2-D `data` ([rows, 1] or [1, columns]: rowwise).
+/// The block-scaled formats (block_recipes.hpp) keep one scale per block: MXFP8 e8m0 bytes,
+/// blockwise fp8 the fp32 reciprocal scales, NVFP4 e4m3 scales and packed e2m1 `data`, with
+/// one fp32 `tensor_scale` (undefined for the other formats).
 struct Fp8Tensor {
+  Fp8Tensor() = default;
+  Fp8Tensor(at::Tensor codes, at::Tensor scales, at::Tensor one_scale = {})
+      : data(std::move(codes)), scale(std::move(scales)), tensor_scale(std::move(one_scale)) {}
   at::Tensor data;
   at::Tensor scale;
+  at::Tensor tensor_scale;
 };
 
 /// A layer's fp8 operands of one training step (Float8LinearImpl::keep_operands), for checking

@@ -24,13 +24,16 @@
 ///
 /// The rowwise recipes (RowwiseScaling, RowwiseScalingWithGwHp: torchao's "rowwise" and
 /// "rowwise_with_gw_hp") scale each row of an operand on its own, with power-of-2 scales and
-/// e4m3 gradients; the second computes the weight gradient in bf16.
+/// e4m3 gradients; the second computes the weight gradient in bf16. The block-scaled recipes
+/// (MXFP8Scaling, BlockwiseFP8Scaling, NVFP4Scaling: block_recipes.hpp) scale each block of
+/// 16, 32 or 128 values along a product's inner dimension.
 ///
 /// A precision map keeps chosen layers out of fp8 (`.add("head", Precision::low)`: bf16), as
 /// torchao's module_filter_fn does. docs/fp8.md has the formats, recipes and numerics.
 
 #include <mixprec/core/compat.hpp>
 #include <mixprec/core/policy.hpp>
+#include <mixprec/fp8/block_recipes.hpp>
 
 #include <c10/util/BFloat16.h>
 
@@ -120,6 +123,10 @@ inline constexpr bool fp8_recipe_members = requires {
 template <class R>
 constexpr bool fp8_recipe() {
   if constexpr (fp8_recipe_members<R>) {
+    // A block recipe scales per block, neither delayed nor per row.
+    if constexpr (block_format_of<R>() != BlockFormat::none) {
+      return !R::delayed && !R::rowwise;
+    }
     return (!R::delayed || (!R::rowwise && !R::power_of_2_scales && !R::grad_output_e4m3)) &&
            (R::weight_grad_fp8 || R::rowwise);
   } else {
@@ -137,8 +144,9 @@ struct MixedFP8 : MixedO2<at::BFloat16> {
                 "this LibTorch is older: use mixprec::MixedO2<at::BFloat16>");
   static_assert(detail::fp8_recipe<Recipe>(),
                 "mixprec: MixedFP8's recipe must be mixprec::TensorwiseScaling, "
-                "mixprec::DelayedScaling<History, Margin>, mixprec::RowwiseScaling or "
-                "mixprec::RowwiseScalingWithGwHp");
+                "mixprec::DelayedScaling<History, Margin>, mixprec::RowwiseScaling, "
+                "mixprec::RowwiseScalingWithGwHp, mixprec::MXFP8Scaling<Mode>, "
+                "mixprec::BlockwiseFP8Scaling or mixprec::NVFP4Scaling<...>");
   static constexpr std::string_view name = Recipe::policy_name;
   using recipe = Recipe;  // MixedO2<BFloat16>'s settings otherwise (its scaler: NoScaler)
 };

@@ -61,6 +61,9 @@ class AtomicFile {
   /// The errno of the first failed write, 0 if none failed.
   int error() const noexcept { return error_; }
 
+  /// Whether commit() renamed the file into place (the directory's fsync may still have failed).
+  bool committed() const noexcept { return committed_; }
+
   /// Syncs the temporary and renames it over `path`.
   void commit() {
     MIXPREC_CHECK(error_ == 0, "cannot write '", path_, "': ", std::strerror(error_));

@@ -107,6 +107,19 @@ inline std::string message_of(const std::exception& e) {
   return error ? error->what_without_backtrace() : e.what();
 }
 
+/// The trailer of archive bytes whose Checksum is `checksum`.
+inline std::array<unsigned char, checkpoint_trailer_size> checkpoint_trailer(const Checksum& checksum) {
+  std::array<unsigned char, checkpoint_trailer_size> trailer{};
+  std::memcpy(trailer.data(), checkpoint_magic.data(), checkpoint_magic.size());
+  const std::uint64_t words[] = {checksum.length(), checksum.value()};
+  for (std::size_t w = 0; w < 2; ++w) {
+    for (std::size_t i = 0; i < 8; ++i) {
+      trailer[8 + 8 * w + i] = static_cast<unsigned char>(words[w] >> (8 * i));
+    }
+  }
+  return trailer;
+}
+
 /// Writes `archive` and its trailer to `path` atomically.
 inline void save_checkpoint(torch::serialize::OutputArchive& archive, const std::string& path) {
   AtomicFile file(path);
@@ -122,14 +135,18 @@ inline void save_checkpoint(torch::serialize::OutputArchive& archive, const std:
     fail("cannot write checkpoint '", path, "': ",
          file.error() != 0 ? std::strerror(file.error()) : message_of(e));
   }
-  std::array<unsigned char, checkpoint_trailer_size> trailer{};
-  std::memcpy(trailer.data(), checkpoint_magic.data(), checkpoint_magic.size());
-  const std::uint64_t words[] = {checksum.length(), checksum.value()};
-  for (std::size_t w = 0; w < 2; ++w) {
-    for (std::size_t i = 0; i < 8; ++i) {
-      trailer[8 + 8 * w + i] = static_cast<unsigned char>(words[w] >> (8 * i));
-    }
-  }
+  const auto trailer = checkpoint_trailer(checksum);
+  file.write(trailer.data(), trailer.size());
+  file.commit();
+}
+
+/// Writes archive bytes (OutputArchive::save_to's) and their trailer to `path` atomically.
+inline void save_checkpoint_bytes(const std::string& bytes, const std::string& path) {
+  AtomicFile file(path);
+  Checksum checksum;
+  checksum.update(bytes.data(), bytes.size());
+  file.write(bytes.data(), bytes.size());
+  const auto trailer = checkpoint_trailer(checksum);
   file.write(trailer.data(), trailer.size());
   file.commit();
 }

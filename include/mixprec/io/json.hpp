@@ -7,6 +7,8 @@
 
 #include <mixprec/core/error.hpp>
 
+#include <charconv>
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <string>
@@ -52,13 +54,34 @@ struct Json {
   /// Compact JSON text, for messages.
   std::string dump() const;
 
+  /// `s` as a JSON string: quotes and backslashes escaped, control characters as \u00XX (a
+  /// checkpoint's index writes names that a parser must read back).
   static std::string quoted(const std::string& s) {
     std::string out = "\"";
     for (const char c : s) {
+      if (static_cast<unsigned char>(c) < 0x20) {
+        static constexpr char hex[] = "0123456789abcdef";
+        out += "\\u00";
+        out += hex[(c >> 4) & 0xF];
+        out += hex[c & 0xF];
+        continue;
+      }
       if (c == '"' || c == '\\') out += '\\';
       out += c;
     }
     return out + "\"";
+  }
+
+  /// `value` as JSON text that reads back as the same double: an integer where it is one (as
+  /// Python's json writes PEFT's lora_alpha), else the shortest exact digits; NaN and the
+  /// infinities, which JSON has no number for, as the strings "nan", "inf", "-inf".
+  static std::string number(double value) {
+    if (!std::isfinite(value)) return quoted(std::isnan(value) ? "nan" : value > 0 ? "inf" : "-inf");
+    if (value == std::floor(value) && std::fabs(value) < 1e15) {
+      return std::to_string(static_cast<long long>(value));
+    }
+    char text[32];
+    return std::string(text, std::to_chars(text, text + sizeof text, value).ptr);
   }
 };
 

@@ -14,9 +14,12 @@
 /// fp16), or two keys of one tied tensor with different values are Errors even with
 /// strict(false). One Error lists every
 /// problem, and nothing is loaded unless all fit. Values are converted to each model tensor's
-/// dtype (PyTorch's copy_); a tied tensor (registered under two names) takes either key.
+/// dtype (PyTorch's copy_); a tied tensor (registered under two names) takes either key. A
+/// parameter held in shards (mixprec::ShardedBuild) keeps this rank's piece of its value, and a
+/// safetensors file loads into such a model one tensor at a time.
 
 #include <mixprec/core/error.hpp>
+#include <mixprec/core/held_shards.hpp>
 #include <mixprec/core/model_claim.hpp>
 #include <mixprec/core/tensor_set.hpp>
 #include <mixprec/io/byte_source.hpp>
@@ -30,6 +33,7 @@
 #include <torch/nn/module.h>
 
 #include <cstring>
+#include <memory>
 #include <map>
 #include <sstream>
 #include <string>
@@ -72,6 +76,7 @@ struct LoadTarget {
 struct LoadAssignment {
   std::string name;
   at::Tensor target, source, value;
+  std::vector<std::string> tied;  // the other keys of a tied target the state dict has
 };
 
 struct LoadPlan {
@@ -223,7 +228,8 @@ inline LoadPlan plan_load(const torch::nn::Module& model, const StateDict& weigh
     const auto& name = present.front();
     const auto& source = weights[name];
     for (std::size_t i = 1; i < present.size(); ++i) {
-      if (!same_bits(weights[present[i]], source)) {
+      // A file read tensor by tensor compares them as it reads them (load_streamed).
+      if (!source.is_meta() && !same_bits(weights[present[i]], source)) {
         plan.problems.push_back("'" + name + "' and '" + present[i] + "' name one tied tensor "
                                 "of the model but hold different values");
       }
@@ -244,7 +250,8 @@ inline LoadPlan plan_load(const torch::nn::Module& model, const StateDict& weigh
       plan.problems.push_back(problem.str());
       continue;
     }
-    plan.assignments.push_back({name, target.tensor, source, at::Tensor()});
+    plan.assignments.push_back({name, target.tensor, source, at::Tensor(),
+                                std::vector<std::string>(present.begin() + 1, present.end())});
   }
   return plan;
 }
@@ -290,7 +297,68 @@ inline void convert_all(LoadPlan& plan, const LoadOptions& options, const std::s
 
 inline void copy_values(const std::vector<LoadAssignment>& assignments) {
   at::NoGradGuard no_grad;
-  for (const auto& a : assignments) a.target.copy_(a.value);
+  for (const auto& a : assignments) {
+    // Held in shards (mixprec::ShardedBuild): this rank keeps its piece of the value.
+    if (const auto shard = HeldShards::find(a.target); shard && !shard->whole) {
+      assign_held(*shard, a.value);
+      continue;
+    }
+    a.target.copy_(a.value);
+  }
+}
+
+// Whether a tensor of `module` is held in shards.
+inline bool holds_any(const torch::nn::Module& module) {
+  for (const auto& p : module.parameters()) {
+    if (HeldShards::is_placeholder(p) && HeldShards::find(p)) return true;
+  }
+  return false;
+}
+
+// load_weights of a safetensors file into a model that holds parameters in shards, one tensor
+// in memory at a time: planned from the header's names, shapes and dtypes; then each tensor
+// read, compared with its tied keys, converted and checked, a held target keeping only this
+// rank's piece of it; then, if everything fits, each target takes its value.
+inline LoadReport load_streamed(torch::nn::Module& model, const ByteSource& source,
+                                const LoadOptions& options) {
+  const auto index = index_safetensors(source);
+  StateDict meta;
+  std::unordered_map<std::string, const SafetensorsEntry*> entry_of;
+  for (const auto& e : index.entries) {
+    meta.insert(e.name, at::empty(e.shape, at::TensorOptions(e.dtype).device(at::kMeta)));
+    entry_of.emplace(e.name, &e);
+  }
+  auto plan = plan_load(model, meta, options);
+  check_plan(plan, options, "'" + source.name() + "'");  // names, shapes, kinds: before reading
+  const auto read = [&](const std::string& name) {
+    return read_safetensors_entry(source, index, *entry_of.at(name));
+  };
+  std::vector<std::pair<std::shared_ptr<HeldShard>, HeldShard>> pieces;
+  for (auto& a : plan.assignments) {
+    const auto value = read(a.name);
+    for (const auto& other : a.tied) {
+      if (!same_bits(read(other), value)) {
+        plan.problems.push_back("'" + a.name + "' and '" + other + "' name one tied tensor of "
+                                "the model but hold different values");
+      }
+    }
+    auto converted_value = converted(value, a.target.scalar_type(), a.name, plan.into.c_str(),
+                                     plan.problems);
+    if (const auto shard = HeldShards::find(a.target); shard && !shard->whole) {
+      HeldShard piece = *shard;
+      assign_held(piece, converted_value);  // the whole value goes with this iteration
+      pieces.emplace_back(shard, std::move(piece));
+    } else {
+      a.value = std::move(converted_value);
+    }
+  }
+  check_plan(plan, options, "'" + source.name() + "'");
+  at::NoGradGuard no_grad;
+  for (auto& [shard, piece] : pieces) *shard = std::move(piece);
+  for (const auto& a : plan.assignments) {
+    if (a.value.defined()) a.target.copy_(a.value);
+  }
+  return std::move(plan.report);
 }
 
 // Loading into a model a live Trainer trains: its masters would overwrite the weights at the
@@ -305,8 +373,9 @@ inline void check_unclaimed(const torch::nn::Module& model, const LoadOptions& o
                 "overwritten at the next step); nothing was loaded");
 }
 
-inline WeightsFile read_weights(const ByteSource& source, const std::string& key) {
-  if (looks_like_zip(source)) return read_torch_save(source, key);  // refuses checkpoints too
+// A file that is no zip archive: an Error unless it looks like safetensors, which `key` cannot
+// pick an entry of.
+inline void check_safetensors_source(const ByteSource& source, const std::string& key) {
   refuse_known_foreign(source);
   unsigned char start[9] = {};
   if (source.size() >= 9) source.read(0, start, 9);
@@ -315,6 +384,11 @@ inline WeightsFile read_weights(const ByteSource& source, const std::string& key
                 "safetensors file (a header length, then '{')");
   MIXPREC_CHECK(key.empty(), "LoadOptions::key ('", key, "') picks an entry of a torch.save'd "
                 "dict; '", source.name(), "' is a safetensors file, which holds one state dict");
+}
+
+inline WeightsFile read_weights(const ByteSource& source, const std::string& key) {
+  if (looks_like_zip(source)) return read_torch_save(source, key);  // refuses checkpoints too
+  check_safetensors_source(source, key);
   return {read_safetensors(source), {}};
 }
 
@@ -350,6 +424,15 @@ inline LoadReport load_state_dict(torch::nn::Module& model, const StateDict& wei
 inline LoadReport load_weights(torch::nn::Module& model, const std::string& path,
                                const LoadOptions& options = {}) {
   detail::check_unclaimed(model, options);
+  // Parameters held in shards (mixprec::ShardedBuild): a safetensors file streams into them,
+  // a tensor at a time; a torch.save file's pickle is read whole, as below.
+  if (detail::holds_any(detail::submodule_of(model, options.submodule()))) {
+    const detail::FileSource source(path);
+    if (!detail::looks_like_zip(source)) {
+      detail::check_safetensors_source(source, options.key());
+      return detail::load_streamed(model, source, options);
+    }
+  }
   const auto file = detail::read_weights(path, options.key());
   auto plan = detail::plan_load(model, file.tensors, options, file.versions);
   detail::convert_all(plan, options, "'" + path + "'");

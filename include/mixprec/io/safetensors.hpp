@@ -37,8 +37,8 @@ namespace detail {
 inline constexpr std::uint64_t kSafetensorsMaxHeader = 100'000'000;
 
 inline constexpr const char* kSafetensorsDtypes =
-    "F64, F32, F16, BF16, I64, I32, I16, I8, U8, BOOL, C64, and from LibTorch 2.1 to 2.3 on "
-    "F8_E4M3, F8_E5M2, F8_E4M3FNUZ, F8_E5M2FNUZ, U16, U32, U64";
+    "F64, F32, F16, BF16, I64, I32, I16, I8, U8, BOOL, C64, and from LibTorch 2.1 to 2.8 on "
+    "F8_E4M3, F8_E5M2, F8_E4M3FNUZ, F8_E5M2FNUZ, U16, U32, U64, F8_E8M0, F4";
 
 // A JSON number that is a whole number >= 0 no larger than `limit`, which `bound` names.
 inline std::uint64_t safetensors_count(const Json& value, const std::string& tensor,
@@ -127,6 +127,13 @@ inline SafetensorsEntry safetensors_entry(const std::string& name, const Json& v
         dim, name, "size", static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max()),
         "a LibTorch size holds")));
   }
+  if (dtype->text == "F4") {
+    // Two fp4 values a byte of LibTorch's Float4_e2m1fn_x2: the header counts values.
+    MIXPREC_CHECK(!entry.shape.empty() && entry.shape.back() % 2 == 0, "safetensors: tensor '",
+                  name, "' of '", source, "' is F4 of shape ", shape->dump(), ", whose last "
+                  "size is not even: fp4 values come two to a byte");
+    entry.shape.back() /= 2;
+  }
   std::uint64_t elements = 1;
   if (std::find(entry.shape.begin(), entry.shape.end(), 0) != entry.shape.end()) {
     check_empty_shape(entry.shape, name, source);
@@ -179,8 +186,14 @@ inline void check_tiling(std::vector<SafetensorsEntry> entries, std::uint64_t da
                 " bytes after its last tensor");
 }
 
-/// The tensors of the safetensors bytes of `source`, in the header's order.
-inline StateDict read_safetensors(const ByteSource& source) {
+/// A safetensors file's tensors, checked, without their data (read_safetensors_entry reads
+/// one): a model held in shards loads tensor by tensor.
+struct SafetensorsIndex {
+  std::vector<SafetensorsEntry> entries;  // in the header's order
+  std::uint64_t data_start = 0;
+};
+
+inline SafetensorsIndex index_safetensors(const ByteSource& source) {
   const auto& name = source.name();
   MIXPREC_CHECK(source.size() >= 8, "safetensors: '", name, "' has ", source.size(), " bytes, "
                 "fewer than the 8 of its header length: not a safetensors file, or truncated");
@@ -198,9 +211,9 @@ inline StateDict read_safetensors(const ByteSource& source) {
   MIXPREC_CHECK(header.is_object(), "safetensors: the header of '", name,
                 "' is not a JSON object");
   check_unique_keys(header, name, nullptr);
-  const std::uint64_t data_start = 8 + header_size;
-  const std::uint64_t data_size = source.size() - data_start;
-  std::vector<SafetensorsEntry> entries;
+  SafetensorsIndex index;
+  index.data_start = 8 + header_size;
+  const std::uint64_t data_size = source.size() - index.data_start;
   for (const auto& [key, value] : header.members) {
     if (key == "__metadata__") {
       MIXPREC_CHECK(value.is_object() &&
@@ -211,19 +224,31 @@ inline StateDict read_safetensors(const ByteSource& source) {
       check_unique_keys(value, name, "__metadata__");
       continue;
     }
-    entries.push_back(safetensors_entry(key, value, data_size, name));
+    index.entries.push_back(safetensors_entry(key, value, data_size, name));
   }
-  check_tiling(entries, data_size, name);
+  check_tiling(index.entries, data_size, name);
+  return index;
+}
+
+/// One tensor of an indexed safetensors file.
+inline at::Tensor read_safetensors_entry(const ByteSource& source, const SafetensorsIndex& index,
+                                         const SafetensorsEntry& entry) {
+  auto t = at::empty(entry.shape, at::TensorOptions(entry.dtype));
+  const auto bytes = entry.end - entry.begin;
+  source.read(index.data_start + entry.begin, t.data_ptr(), bytes);
+  if (entry.dtype == at::kBool) {
+    check_bool_bytes(t.data_ptr(), static_cast<std::size_t>(bytes),
+                     "safetensors: tensor '" + entry.name + "' of '" + source.name() + "'");
+  }
+  return t;
+}
+
+/// The tensors of the safetensors bytes of `source`, in the header's order.
+inline StateDict read_safetensors(const ByteSource& source) {
+  const auto index = index_safetensors(source);
   StateDict tensors;
-  for (const auto& entry : entries) {
-    auto t = at::empty(entry.shape, at::TensorOptions(entry.dtype));
-    const auto bytes = entry.end - entry.begin;
-    source.read(data_start + entry.begin, t.data_ptr(), bytes);
-    if (entry.dtype == at::kBool) {
-      check_bool_bytes(t.data_ptr(), static_cast<std::size_t>(bytes),
-                       "safetensors: tensor '" + entry.name + "' of '" + name + "'");
-    }
-    tensors.insert(entry.name, std::move(t));
+  for (const auto& entry : index.entries) {
+    tensors.insert(entry.name, read_safetensors_entry(source, index, entry));
   }
   return tensors;
 }

@@ -16,9 +16,25 @@
 #include <torch/nn/modules/linear.h>
 #include <torch/nn/pimpl.h>
 
+#include <memory>
+#include <vector>
+
 namespace mixprec::nn {
 
 namespace detail {
+
+/// What apply_lora (lora/apply_lora.hpp) attaches to a Linear: its forward in place of
+/// F.linear, and whether it stores the frozen base in a dtype of its own (bf16, fp16, fp8),
+/// which no cast of the model may change.
+class LinearAdapter {
+ public:
+  virtual ~LinearAdapter() = default;
+  virtual at::Tensor forward(const at::Tensor& input, const at::Tensor& weight,
+                             const at::Tensor& bias) = 0;
+  /// The layer's own tensors (weight, bias, scale) whose dtype the adapter fixed; none when the
+  /// base is kept as it was.
+  virtual std::vector<at::Tensor> fixed_tensors() const = 0;
+};
 
 /// An Error naming `module` and both widths unless `input`'s last dimension is the layer's.
 inline void check_linear_input(const char* module, const at::Tensor& input,
@@ -48,9 +64,28 @@ class LinearImpl : public torch::nn::LinearImpl {
  public:
   using torch::nn::LinearImpl::LinearImpl;
   at::Tensor forward(const at::Tensor& input) {
+    if (adapter) return adapter->forward(input, weight, bias);
     return detail::linear("mixprec::nn::Linear", input, weight, bias);
   }
+  /// The LoRA adapter that mixprec::apply_lora attached (lora.hpp); null: none.
+  std::shared_ptr<detail::LinearAdapter> adapter;
 };
 TORCH_MODULE(Linear);
+
+namespace detail {
+
+/// The tensors of `model` whose dtype an adapter fixed (a frozen base stored in bf16 or fp8):
+/// a cast of the model leaves them, a Trainer takes them as they are and never trains them.
+inline std::vector<at::Tensor> fixed_dtype_tensors(const torch::nn::Module& model) {
+  std::vector<at::Tensor> fixed;
+  for (const auto& module : model.modules(/*include_self=*/true)) {
+    const auto* linear = dynamic_cast<const LinearImpl*>(module.get());
+    if (linear == nullptr || !linear->adapter) continue;
+    for (const auto& t : linear->adapter->fixed_tensors()) fixed.push_back(t);
+  }
+  return fixed;
+}
+
+}  // namespace detail
 
 }  // namespace mixprec::nn

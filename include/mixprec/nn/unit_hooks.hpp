@@ -3,12 +3,17 @@
 // modules have no hooks of their own, so the wrappers that a model declares are where sharded
 // parameters (DistributedOptions::shard_parameters) are gathered before a unit's forward,
 // released after it, and gathered again before its backward. Nothing is set by default: a
-// wrapper without hooks computes as its module.
+// wrapper without hooks computes as its module. And where a wrapper tells that its module is
+// built: mixprec::ShardedBuild (distributed/sharded_build.hpp) then cuts its weights into shards.
 
 #include <ATen/ATen.h>
 
 #include <memory>
 #include <utility>
+
+namespace torch::nn {
+class Module;
+}  // namespace torch::nn
 
 namespace mixprec::detail {
 
@@ -30,6 +35,7 @@ class HookedModule {
   virtual ~HookedModule() = default;
   void set_unit_hooks(std::shared_ptr<UnitHooks> hooks) noexcept { hooks_ = std::move(hooks); }
   bool has_unit_hooks() const noexcept { return hooks_ != nullptr; }
+  const std::shared_ptr<UnitHooks>& unit_hooks() const noexcept { return hooks_; }
 
  protected:
   /// compute(), within the hooks when there are any.
@@ -44,5 +50,23 @@ class HookedModule {
  private:
   std::shared_ptr<UnitHooks> hooks_;
 };
+
+/// What a wrapper tells when it has built its module (the last line of its constructor): the
+/// builder active on this thread, if any, takes the unit (mixprec::ShardedBuild).
+class UnitBuilder {
+ public:
+  virtual ~UnitBuilder() = default;
+  virtual void built(torch::nn::Module& unit, HookedModule& hooked) = 0;
+  /// The builder active on this thread; null: none.
+  static UnitBuilder*& active() noexcept {
+    thread_local UnitBuilder* builder = nullptr;
+    return builder;
+  }
+};
+
+/// Called by each wrapper at the end of its constructor.
+inline void unit_built(torch::nn::Module& unit, HookedModule& hooked) {
+  if (auto* builder = UnitBuilder::active()) builder->built(unit, hooked);
+}
 
 }  // namespace mixprec::detail

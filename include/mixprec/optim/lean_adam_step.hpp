@@ -43,7 +43,7 @@ inline void check_state(const at::Tensor& state, const at::Tensor& like, c10::Sc
 }
 
 template <AdamKind Kind>
-void step(torch::optim::Optimizer& optimizer, const LeanTargets& targets, float inv_scale,
+void step(torch::optim::Optimizer& optimizer, const LeanTargets& targets, float grad_scale,
           bool narrow_moments) {
   using Options = typename AdamTypes<Kind>::Options;
   using State = typename AdamTypes<Kind>::State;
@@ -110,7 +110,7 @@ void step(torch::optim::Optimizer& optimizer, const LeanTargets& targets, float 
     w.state->step(w.state->step() + 1);
     auto s = LeanAdamStep::make(w.h.lr, w.h.beta1, w.h.beta2, w.h.eps, w.h.weight_decay,
                                 w.state->step(), Kind == AdamKind::adamw, w.h.amsgrad);
-    s.inv_scale = inv_scale;
+    s.grad_scale = grad_scale;
     const auto grad = w.grad.contiguous();
     LeanAdamTensors t;
     t.numel = w.model.numel();
@@ -128,7 +128,8 @@ void step(torch::optim::Optimizer& optimizer, const LeanTargets& targets, float 
     auto& kept = w.lean->kept;
     t.bf16 = static_cast<std::uint16_t*>(w.model.data_ptr());
     t.key = kept.key;
-    t.first = kept.first;
+    t.first = kept.first;  // a rank's slice steps as the whole tensor's elements do
+    t.whole = kept.whole;
     if (kept.remainder.defined()) {
       t.remainder = static_cast<std::int16_t*>(kept.remainder.data_ptr());
       *kept.down_ties = lean_adam_update(t, s, *kept.down_ties);
@@ -141,7 +142,8 @@ void step(torch::optim::Optimizer& optimizer, const LeanTargets& targets, float 
 }  // namespace lean_step
 
 /// One Adam or AdamW step of `optimizer` (exactly torch::optim::Adam or AdamW) over `targets`
-/// (a lean storage's), gradients divided by `grad_scale` (one fp32 value; undefined: by 1).
+/// (a lean storage's), gradients divided by `grad_scale` (one fp32 value; undefined: by 1), in
+/// the arithmetic of ATen's fused kernel (lean_adam.hpp).
 /// `narrow_moments`: the moments of the lean masters are bf16 (RemainderMasters<BFloat16>, ...).
 inline void lean_adam_step(torch::optim::Optimizer& optimizer, const LeanTargets& targets,
                            const at::Tensor& grad_scale, bool narrow_moments) {
@@ -149,12 +151,12 @@ inline void lean_adam_step(torch::optim::Optimizer& optimizer, const LeanTargets
   MIXPREC_CHECK(kind.has_value(), "the lean one-pass step (fused_optimizer under a lean "
                 "storage) is Adam's or AdamW's: the optimizer must be exactly torch::optim::Adam "
                 "or AdamW; turn fused_optimizer off for another");
-  const float inv_scale =
-      grad_scale.defined() ? 1.0F / grad_scale.to(at::kCPU).item<float>() : 1.0F;
+  // Divided by, as ATen's fused kernel divides (a multiplication by 1 / scale rounds otherwise).
+  const float scale = grad_scale.defined() ? grad_scale.to(at::kCPU).item<float>() : 1.0F;
   if (*kind == AdamKind::adam) {
-    lean_step::step<AdamKind::adam>(optimizer, targets, inv_scale, narrow_moments);
+    lean_step::step<AdamKind::adam>(optimizer, targets, scale, narrow_moments);
   } else {
-    lean_step::step<AdamKind::adamw>(optimizer, targets, inv_scale, narrow_moments);
+    lean_step::step<AdamKind::adamw>(optimizer, targets, scale, narrow_moments);
   }
 }
 

@@ -37,16 +37,19 @@ class LeanMasters {
   /// (indices are consecutive from 0); then stows it: the model keeps its value under
   /// StochasticRounding (already the master rounded to nearest), the remainder is split off
   /// under RemainderMasters. Its stochastic roundings take their bits as those of tensor
-  /// `tensor` (default: its index) from element `first` on: a rank's slice of a tensor
-  /// (sharded data parallel) rounds as the whole tensor does unsharded.
+  /// `tensor` (default: its index) from element `first` on, of a tensor of `whole` elements
+  /// (default: model's): a rank's slice of a tensor (sharded data parallel) rounds, and steps
+  /// (lean_adam.hpp), as the whole tensor does unsharded.
   void add(const at::Tensor& model, at::Tensor& master,
-           std::optional<std::uint64_t> tensor = std::nullopt, std::int64_t first = 0) {
+           std::optional<std::uint64_t> tensor = std::nullopt, std::int64_t first = 0,
+           std::int64_t whole = -1) {
     MIXPREC_CHECK(model.scalar_type() == at::kBFloat16, "lean master weights are for bf16 "
                   "model tensors; a tensor of shape ", model.sizes(), " is ",
                   model.scalar_type());
     entries_.push_back({});
     entries_.back().tensor = tensor.value_or(entries_.size() - 1);
     entries_.back().first = first;
+    entries_.back().whole = whole < 0 ? model.numel() : whole;
     stow_one(entries_.size() - 1, model, master, /*stepped=*/false);
   }
 
@@ -66,6 +69,14 @@ class LeanMasters {
     auto& e = entries_.at(index);
     if (e.inflated) return;
     master.set_data(value(index, model));
+    e.inflated = true;
+  }
+
+  /// Pair `index`'s master holds `value` (a tensor of its own, fp32, the master's shape): a
+  /// checkpoint's value, to be stowed.
+  void inflate_with(std::size_t index, at::Tensor& master, const at::Tensor& value) {
+    auto& e = entries_.at(index);
+    master.set_data(value);
     e.inflated = true;
   }
 
@@ -119,11 +130,12 @@ class LeanMasters {
     at::Tensor remainder;
     std::vector<std::int64_t>* down_ties;
     std::uint32_t key;
-    std::int64_t first;  // the rounding's index of element 0
+    std::int64_t first;  // the index of element 0 in its whole tensor (the rounding's too)
+    std::int64_t whole;  // that tensor's numel
   };
   InPlace in_place(std::size_t index) {
     auto& e = entries_.at(index);
-    return {e.remainder, &e.down_ties, rounding_key(seed_, rounds_, e.tensor), e.first};
+    return {e.remainder, &e.down_ties, rounding_key(seed_, rounds_, e.tensor), e.first, e.whole};
   }
 
   /// After the stow of a step taken: the next step rounds with other bits.
@@ -153,6 +165,7 @@ class LeanMasters {
     bool inflated = true;                 // added with data
     std::uint64_t tensor = 0;             // whose rounding bits (rounding_key)
     std::int64_t first = 0;               // its first element's index in that tensor
+    std::int64_t whole = 0;               // that tensor's numel
   };
 
   MasterStorage storage_;

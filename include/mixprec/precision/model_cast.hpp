@@ -5,9 +5,11 @@
 // the CPU of LibTorch 1.13). Claiming it, so that a second Trainer cannot cast or step it too,
 // is core/model_claim.hpp.
 
+#include <mixprec/core/held_shards.hpp>
 #include <mixprec/core/model_claim.hpp>
 #include <mixprec/core/tensor_set.hpp>
 #include <mixprec/core/error.hpp>
+#include <mixprec/nn/linear.hpp>
 #include <mixprec/nn/unit_hooks.hpp>
 
 #include <c10/core/TensorImpl.h>
@@ -200,6 +202,7 @@ inline std::vector<at::Tensor> parameters_kept_fp32(const torch::nn::Module& mod
 inline void cast_model(torch::nn::Module& model, at::ScalarType dtype, bool keep_batch_norm_fp32,
                        std::string_view policy, const std::vector<at::Tensor>* only = nullptr) {
   const auto selected = only != nullptr ? identities(*only) : std::unordered_set<const void*>{};
+  const auto fixed = identities(nn::detail::fixed_dtype_tensors(model));  // a stored LoRA base
   auto& registry = PrecisionRegistry::instance();
   for (const auto& module : model.modules(/*include_self=*/true)) {
     if (keep_batch_norm_fp32 && is_batch_norm(*module)) continue;
@@ -209,8 +212,13 @@ inline void cast_model(torch::nn::Module& model, at::ScalarType dtype, bool keep
       if (only != nullptr && (selected.count(p.unsafeGetTensorImpl()) == 0 || p.scalar_type() != at::kFloat)) {
         continue;
       }
+      if (fixed.count(p.unsafeGetTensorImpl()) == 1) continue;
       if (at::isFloatingType(p.scalar_type()) && p.scalar_type() != dtype) {
-        p.set_data(p.data().to(dtype));
+        if (HeldShards::is_placeholder(p)) {
+          cast_held(p, dtype);  // its piece; no bytes of its size
+        } else {
+          p.set_data(p.data().to(dtype));
+        }
         // A gradient left from before would stay fp32 and have every later one added into it.
         p.mutable_grad() = at::Tensor();
         CastRecord::add(p, policy);
@@ -219,6 +227,7 @@ inline void cast_model(torch::nn::Module& model, at::ScalarType dtype, bool keep
     if (only != nullptr) continue;
     for (auto& item : module->named_buffers(/*recurse=*/false)) {
       auto& b = item.value();
+      if (fixed.count(b.unsafeGetTensorImpl()) == 1) continue;
       if (at::isFloatingType(b.scalar_type())) b.set_data(b.data().to(dtype));
     }
   }
@@ -251,16 +260,27 @@ namespace mixprec {
 /// `model.to(torch.bfloat16)` does, one tensor at a time (each keeps its identity). LibTorch's
 /// `model->to(dtype)` casts every tensor, the integer ones too: an encoder's position ids, whose
 /// embedding lookup then fails, or BatchNorm's num_batches_tracked, which stops counting at 256
-/// in bf16. For a model handed to a PureHalf Trainer already in its Low dtype.
+/// in bf16. For a model handed to a PureHalf Trainer already in its Low dtype. A parameter held
+/// in shards (mixprec::ShardedBuild) casts its piece.
 inline void cast_floating(torch::nn::Module& model, at::ScalarType dtype) {
   MIXPREC_CHECK(at::isFloatingType(dtype), "cast_floating: ", dtype, " is not a floating-point "
                 "dtype");
   at::NoGradGuard no_grad;
+  // A LoRA base stored in bf16 or fp8 keeps its dtype.
+  const auto fixed = detail::identities(nn::detail::fixed_dtype_tensors(model));
   for (auto& p : model.parameters()) {
-    if (at::isFloatingType(p.scalar_type())) p.set_data(p.data().to(dtype));
+    if (!at::isFloatingType(p.scalar_type()) || p.scalar_type() == dtype) continue;
+    if (fixed.count(p.unsafeGetTensorImpl()) == 1) continue;
+    if (detail::HeldShards::is_placeholder(p)) {
+      detail::cast_held(p, dtype);  // held in shards: its piece (mixprec::ShardedBuild)
+    } else {
+      p.set_data(p.data().to(dtype));
+    }
   }
   for (auto& b : model.buffers()) {
-    if (at::isFloatingType(b.scalar_type())) b.set_data(b.data().to(dtype));
+    if (at::isFloatingType(b.scalar_type()) && fixed.count(b.unsafeGetTensorImpl()) == 0) {
+      b.set_data(b.data().to(dtype));
+    }
   }
 }
 

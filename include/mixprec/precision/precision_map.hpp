@@ -173,6 +173,7 @@ class MappableImpl : public torch::nn::Module, public mixprec::detail::MappableB
       register_buffer(item.key(), item.value());
     }
     for (auto& item : inner_->named_children()) register_module(item.key(), item.value());
+    mixprec::detail::unit_built(*this, *this);  // a mixprec::ShardedBuild takes it from here
   }
 
   /// M's forward, in the precision of its region when a map gave it one. One tensor in and out

@@ -20,12 +20,15 @@
 /// again by the recompute unless CheckpointOptions::keep_buffers names their module (the module
 /// form always keeps them). The random states are the process's generators: nothing else may
 /// draw from them while a recompute runs (another thread's data loader, a second GPU's backward
-/// recomputing at the same time), or the masks differ from the first run's.
+/// recomputing at the same time), or the masks differ from the first run's. The recompute is
+/// checked to take the first run's path (same_run.hpp: the graph it builds, the outputs and
+/// parameters, a few output values on the CPU): an Error names the block and what differs.
 
 #include <mixprec/core/error.hpp>
 #include <mixprec/core/recompute_state.hpp>
 #include <mixprec/recompute/checkpoint_node.hpp>
 #include <mixprec/recompute/recorded_state.hpp>
+#include <mixprec/recompute/same_run.hpp>
 
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
@@ -37,6 +40,7 @@
 #include <cstddef>
 #include <functional>
 #include <memory>
+#include <string>
 #include <tuple>
 #include <type_traits>
 #include <utility>
@@ -59,17 +63,32 @@ inline std::vector<at::Tensor> buffers_of(const torch::nn::Module& module) {
 /// Options of mixprec::checkpoint.
 class CheckpointOptions {
  public:
+  /// The block's name in the Errors of its recompute (by default, its function's type).
+  CheckpointOptions& name(std::string name) {
+    name_ = std::make_shared<const std::string>("block '" + std::move(name) + "'");
+    return *this;
+  }
+  const std::shared_ptr<const std::string>& name() const noexcept { return name_; }
+
   /// Leaves the buffers of `module` and its submodules as the forward pass left them: the
   /// recompute's in-place updates of them (BatchNorm's running statistics) are undone, so that
-  /// they are updated once per forward, as without the checkpoint.
+  /// they are updated once per forward, as without the checkpoint. The recompute also checks
+  /// that they are in the modes (train/eval) they were in (where `module` is held by a
+  /// shared_ptr, as a holder's is).
   CheckpointOptions& keep_buffers(const torch::nn::Module& module) {
     for (const auto& b : detail::buffers_of(module)) buffers_.push_back(b);
+    if (auto held = module.weak_from_this().lock()) modules_.push_back(std::move(held));
     return *this;
   }
   const std::vector<at::Tensor>& buffers() const noexcept { return buffers_; }
+  const std::vector<std::shared_ptr<const torch::nn::Module>>& modules() const noexcept {
+    return modules_;
+  }
 
  private:
   std::vector<at::Tensor> buffers_;
+  std::vector<std::shared_ptr<const torch::nn::Module>> modules_;
+  std::shared_ptr<const std::string> name_;
 };
 
 namespace detail {
@@ -165,8 +184,17 @@ class Block {
   std::tuple<Args...> args_;
 };
 
+/// What a checkpoint knows of its block beside the function: the buffers to put back after the
+/// recompute, its name for Errors, and the modules whose modes the recompute checks (a
+/// Checkpointed module's, those of keep_buffers).
+struct BlockContext {
+  std::vector<at::Tensor> buffers;
+  std::shared_ptr<const std::string> name;
+  std::vector<std::shared_ptr<const torch::nn::Module>> modules;
+};
+
 template <class Fn, class... Args>
-auto checkpoint_block(const std::vector<at::Tensor>& buffers, Fn&& fn, Args&&... args) {
+auto checkpoint_block(const BlockContext& context, Fn&& fn, Args&&... args) {
   using B = Block<std::decay_t<Fn>, std::decay_t<Args>...>;
   using Result = typename B::Result;
   static_assert(block_result<Result>, "mixprec::checkpoint: the block must return an at::Tensor, "
@@ -181,10 +209,12 @@ auto checkpoint_block(const std::vector<at::Tensor>& buffers, Fn&& fn, Args&&...
   std::vector<std::int64_t> versions;
   for (const auto& t : originals) versions.push_back(t.defined() ? t._version() : 0);
   auto state = RecordedState::capture();
+  auto modes = ModuleModes::of(context.modules);
 
   Result result;
   variable_list outputs;
   edge_list leaves;
+  RunRecord first;
   {
     const CheckpointPassGuard pass(CheckpointPass::forward);
     const FreshCastCache cache;
@@ -199,24 +229,22 @@ auto checkpoint_block(const std::vector<at::Tensor>& buffers, Fn&& fn, Args&&...
                     "from the modified values. Modify a copy inside the block (x = x.clone()), "
                     "or modify it before the block");
     }
-    leaves = reached_leaves(outputs, inputs, span);
+    leaves = reached_leaves(outputs, inputs, span, first.graph);
   }
-  std::vector<CheckpointNode::Output> kept;
-  for (const auto& out : outputs) {
-    if (out.defined() && out.requires_grad()) {
-      kept.push_back({out.sizes().vec(), out.scalar_type(), out.device()});
-    }
-  }
+  const auto kept = requiring_grad_only(outputs);
   // No output requires grad: nothing flows back, nothing to recompute.
   if (kept.empty()) return result;
+  for (const auto& out : kept) first.outputs.push_back(TensorMeta::of(out));
+  first.sample = OutputSample::of(kept);
+  first.versions = leaf_versions(leaves);
   // Every buffer named, not only those whose version moved: BatchNorm's kernels update the
   // running statistics in place without bumping their version counter (only
   // num_batches_tracked's += 1 does), so the version cannot tell which ones the block updates.
   auto function = [block](const variable_list& tensors) { return flatten_result((*block)(tensors)); };
-  auto node = make_autograd_node<CheckpointNode>(std::move(function), originals,
-                                                 std::move(versions), std::move(grad),
-                                                 std::move(state), std::move(leaves),
-                                                 std::move(kept), buffers);
+  auto node = make_autograd_node<CheckpointNode>(
+      std::move(function), originals, std::move(versions), std::move(grad), std::move(state),
+      std::move(leaves), std::move(first), context.buffers,
+      BlockName{context.name, &typeid(std::decay_t<Fn>)}, std::move(modes));
   // The outputs, without the first run's graph (its saved activations go with it), as the
   // node's: each output that requires grad is one of its inputs, in order.
   const AutogradNodePtr as_node = node;
@@ -239,15 +267,17 @@ auto checkpoint_block(const std::vector<at::Tensor>& buffers, Fn&& fn, Args&&...
 template <class Fn, class... Args>
   requires std::invocable<std::decay_t<Fn>&, std::decay_t<Args>&...>
 auto checkpoint(Fn&& fn, Args&&... args) {
-  return detail::checkpoint_block({}, std::forward<Fn>(fn), std::forward<Args>(args)...);
+  return detail::checkpoint_block(detail::BlockContext{}, std::forward<Fn>(fn),
+                                  std::forward<Args>(args)...);
 }
 
-/// As above, with options (the modules whose buffers the recompute must not update again).
+/// As above, with options (the modules whose buffers the recompute must not update again, the
+/// block's name).
 template <class Fn, class... Args>
   requires std::invocable<std::decay_t<Fn>&, std::decay_t<Args>&...>
 auto checkpoint(const CheckpointOptions& options, Fn&& fn, Args&&... args) {
-  return detail::checkpoint_block(options.buffers(), std::forward<Fn>(fn),
-                                  std::forward<Args>(args)...);
+  const detail::BlockContext context{options.buffers(), options.name(), options.modules()};
+  return detail::checkpoint_block(context, std::forward<Fn>(fn), std::forward<Args>(args)...);
 }
 
 }  // namespace mixprec

@@ -10,12 +10,14 @@
 //
 // LibTorch's C++ API has no saved-tensor hooks for C++ code (Python's non-reentrant checkpoint
 // is built on them), and a torch::autograd::Function fixes its edges before its forward runs,
-// when the parameters the block reaches are not known yet: hence a Node of our own.
+// when the parameters the block reaches are not known yet: hence a Node of our own. Before and
+// after the recompute it checks that the block takes the first run's path (same_run.hpp).
 
 #include <mixprec/core/autograd_function.hpp>
 #include <mixprec/core/error.hpp>
 #include <mixprec/core/recompute_state.hpp>
 #include <mixprec/recompute/recorded_state.hpp>
+#include <mixprec/recompute/same_run.hpp>
 
 #include <ATen/ATen.h>
 #include <ATen/SequenceNumber.h>
@@ -108,11 +110,12 @@ struct BlockSpan {
 };
 
 /// The gradient accumulators (of parameters, or of any leaf that requires grad) the graph of one
-/// run of a block reaches from `outputs`, each once, in the order found. An Error for a node the
-/// block did not make that is not its inputs' either: a tensor with a gradient history from
-/// outside the block, read by it without being one of its inputs.
+/// run of a block reaches from `outputs`, each once, in the order found; the nodes the block made
+/// go into `shape`. An Error for a node the block did not make that is not its inputs' either: a
+/// tensor with a gradient history from outside the block, read by it without being one of its
+/// inputs.
 inline edge_list reached_leaves(const variable_list& outputs, const BlockInputs& inputs,
-                                const BlockSpan& span) {
+                                const BlockSpan& span, GraphShape& shape) {
   edge_list leaves;
   std::unordered_set<const torch::autograd::Node*> seen;
   std::vector<torch::autograd::Node*> stack;
@@ -137,6 +140,7 @@ inline edge_list reached_leaves(const variable_list& outputs, const BlockInputs&
   while (!stack.empty()) {
     auto* node = stack.back();
     stack.pop_back();
+    shape.add(*node);
     for (const auto& edge : node->next_edges()) follow(edge);
   }
   return leaves;
@@ -167,7 +171,17 @@ inline bool history_reaches(const variable_list& tensors, const edge_list& leave
 struct BlockRun {
   variable_list outputs;
   edge_list leaves;
+  GraphShape graph;
 };
+
+/// Those of `outputs` that require grad: the checkpoint node's inputs, in order.
+inline variable_list requiring_grad_only(const variable_list& outputs) {
+  variable_list kept;
+  for (const auto& out : outputs) {
+    if (out.defined() && out.requires_grad()) kept.push_back(out);
+  }
+  return kept;
+}
 
 /// Runs the block of a checkpoint; `run(inputs)` calls it on one run's input aliases and
 /// returns its outputs flattened.
@@ -177,26 +191,23 @@ using BlockFunction = std::function<variable_list(const variable_list&)>;
 /// grad, one output per edge: the block's inputs that require grad, then the leaves it reached.
 class CheckpointNode final : public torch::autograd::Node {
  public:
-  struct Output {
-    std::vector<std::int64_t> sizes;
-    c10::ScalarType dtype;
-    c10::Device device;
-  };
-
   /// `inputs` as the block was given them, with their versions then and whether each needs a
-  /// gradient; the leaves and outputs (those that require grad) of its first run; `buffers`: the
-  /// buffers the block may update in place, put back after the recompute as they were before it.
+  /// gradient; the leaves of its first run and what that run leaves to check the recompute
+  /// against (`first`; `modes`: a Checkpointed module's); `buffers`: the buffers the block may
+  /// update in place, put back after the recompute as they were before it.
   CheckpointNode(BlockFunction block, variable_list inputs, std::vector<std::int64_t> versions,
-                 std::vector<bool> grad, RecordedState state, edge_list leaves,
-                 std::vector<Output> outputs, std::vector<at::Tensor> buffers)
+                 std::vector<bool> grad, RecordedState state, edge_list leaves, RunRecord first,
+                 std::vector<at::Tensor> buffers, BlockName name, ModuleModes modes)
       : block_(std::move(block)),
         inputs_(std::move(inputs)),
         versions_(std::move(versions)),
         grad_(std::move(grad)),
         state_(std::move(state)),
         leaves_(std::move(leaves)),
-        outputs_(std::move(outputs)),
-        buffers_(std::move(buffers)) {
+        first_(std::move(first)),
+        buffers_(std::move(buffers)),
+        name_(std::move(name)),
+        modes_(std::move(modes)) {
     edge_list edges;
     for (std::size_t i = 0; i < inputs_.size(); ++i) {
       if (grad_[i]) edges.push_back(torch::autograd::impl::gradient_edge(inputs_[i]));
@@ -217,14 +228,7 @@ class CheckpointNode final : public torch::autograd::Node {
     MIXPREC_CHECK(block_ != nullptr, "backward through a checkpointed block a second time: its "
                   "inputs were released after the first backward; pass retain_graph=true to "
                   "the first, as without the checkpoint");
-    for (std::size_t i = 0; i < inputs_.size(); ++i) {
-      const auto& t = inputs_[i];
-      MIXPREC_CHECK(!t.defined() || t._version() == versions_[i], "input ", i, " (shape ",
-                    t.sizes(), ") of a checkpointed block was modified in place after the "
-                    "block ran (its version went from ", versions_[i], " to ", t._version(),
-                    "): the recompute in backward would read the new values. Modify a copy "
-                    "(x.clone()), or do it before the block");
-    }
+    check_unchanged();
     // A double backward (create_graph): the gradients returned carry the recomputed graph, and
     // its second pass must reach the inputs through their aliases; the recompute's own backward
     // must still stop at them, which it cannot where the inputs' history reaches a parameter
@@ -242,6 +246,7 @@ class CheckpointNode final : public torch::autograd::Node {
       std::vector<at::Tensor> saved;
       for (const auto& b : buffers_) saved.push_back(b.clone());
       const at::AutoGradMode grad(true);
+      run.graph.reserve_like(first_.graph);
       const BlockSpan span;
       try {
         run.outputs = block_(inputs.tensors);
@@ -254,9 +259,12 @@ class CheckpointNode final : public torch::autograd::Node {
       // the recomputed graph (and any other holding these buffers) has saved and checks.
       const at::AutoDispatchBelowADInplaceOrView below_autograd;
       for (std::size_t i = 0; i < buffers_.size(); ++i) buffers_[i].copy_(saved[i]);
-      run.leaves = reached_leaves(run.outputs, inputs, span);
+      run.leaves = reached_leaves(run.outputs, inputs, span, run.graph);
     }
     check_same_run(run);
+    // A block may update a parameter in place itself (an embedding's max_norm): what it left is
+    // what a second recompute (retain_graph) starts from.
+    first_.versions = leaf_versions(leaves_);
     // Backpropagate the gradients of the outputs that have one, through the fresh graph only.
     edge_list roots;
     variable_list root_grads;
@@ -278,28 +286,73 @@ class CheckpointNode final : public torch::autograd::Node {
   }
 
  private:
-  // The recompute must take the first run's path: the same outputs and parameters.
-  void check_same_run(const BlockRun& run) const {
-    std::vector<Output> outputs;
-    for (const auto& out : run.outputs) {
-      if (out.defined() && out.requires_grad()) {
-        outputs.push_back({out.sizes().vec(), out.scalar_type(), out.device()});
-      }
+  // Before the recompute: what it reads is as the first run left it (its inputs, the parameters
+  // it reached, a Checkpointed module's modes).
+  void check_unchanged() const {
+    for (std::size_t i = 0; i < inputs_.size(); ++i) {
+      const auto& t = inputs_[i];
+      MIXPREC_CHECK(!t.defined() || t._version() == versions_[i], "input ", i, " (shape ",
+                    t.sizes(), ") of checkpointed ", name_.describe(), " was modified in place "
+                    "after the block ran (its version went from ", versions_[i], " to ",
+                    t._version(), "): the recompute in backward would read the new values. "
+                    "Modify a copy (x.clone()), or do it before the block");
     }
-    bool same = outputs.size() == outputs_.size() && run.leaves.size() == leaves_.size();
+    const auto versions = leaf_versions(leaves_);
+    for (std::size_t i = 0; i < versions.size(); ++i) {
+      if (versions[i] == first_.versions[i]) continue;
+      const auto& p =
+          static_cast<const torch::autograd::AccumulateGrad&>(*leaves_[i].function).variable;
+      const auto path = modes_.parameter_name(p);
+      fail("parameter ", path.empty() ? "" : "'" + path + "' ", "(shape ", p.sizes(), ", ",
+           p.scalar_type(), ") of checkpointed ", name_.describe(), " was modified in place "
+           "between the forward pass and backward (its version went from ", first_.versions[i],
+           " to ", versions[i], "; an optimizer step, a weight update): the recompute would read "
+           "the new values and the gradients be those of another computation. Call backward() "
+           "before changing the parameters, as without checkpointing (where autograd refuses "
+           "it for a weight it saved)");
+    }
+    const auto changed = modes_.changes();
+    MIXPREC_CHECK(changed.empty(), "checkpointed ", name_.describe(), ": ", changed, ". The "
+                  "recompute in backward would run in the new mode (Dropout, BatchNorm and any "
+                  "forward that reads is_training() compute otherwise) and the gradients be "
+                  "those of another computation. Switch modes after backward() (train() again "
+                  "before backward, or eval() after it)");
+  }
+
+  // After it: the recompute took the first run's path (the same outputs, parameters and graph)
+  // and computed the same values where they were sampled.
+  void check_same_run(const BlockRun& run) const {
+    const auto outputs = requiring_grad_only(run.outputs);
+    bool same = outputs.size() == first_.outputs.size() && run.leaves.size() == leaves_.size();
     for (std::size_t i = 0; same && i < outputs.size(); ++i) {
-      same = outputs[i].sizes == outputs_[i].sizes && outputs[i].dtype == outputs_[i].dtype &&
-             outputs[i].device == outputs_[i].device;
+      same = TensorMeta::of(outputs[i]) == first_.outputs[i];
     }
     for (std::size_t i = 0; same && i < leaves_.size(); ++i) {
       same = run.leaves[i].function == leaves_[i].function;
     }
-    MIXPREC_CHECK(same, "a checkpointed block computed something else when recomputed in "
-                  "backward than in its forward pass (", outputs.size(), " outputs that require "
-                  "grad and ", run.leaves.size(), " parameters reached, against ",
-                  outputs_.size(), " and ", leaves_.size(), ", or other shapes or dtypes): what "
-                  "it computes must depend only on its inputs, its modules and the random state, "
-                  "which the recompute replays; not on state that changes between the two runs");
+    MIXPREC_CHECK(same, "checkpointed ", name_.describe(), " computed something else when "
+                  "recomputed in backward than in its forward pass (", outputs.size(), " outputs "
+                  "that require grad and ", run.leaves.size(), " parameters reached, against ",
+                  first_.outputs.size(), " and ", leaves_.size(), ", or other shapes or dtypes): "
+                  "what it computes must depend only on its inputs, its modules and the random "
+                  "state, which the recompute replays; not on state that changes between the two "
+                  "runs");
+    MIXPREC_CHECK(run.graph == first_.graph, "checkpointed ", name_.describe(), " took another "
+                  "path when recomputed in backward than in its forward pass: ",
+                  first_.graph.difference(run.graph), ". The common cause is a module switched "
+                  "to eval() or train() between the forward pass and backward (Dropout, "
+                  "BatchNorm): switch modes after backward(). Otherwise the block depends on "
+                  "state that changed between the two runs (a flag, a size it reads), which it "
+                  "must not: the gradients would be those of another computation");
+    const auto values = first_.sample.difference(outputs);
+    MIXPREC_CHECK(values.empty(), "checkpointed ", name_.describe(), " computed other values "
+                  "when recomputed in backward than in its forward pass (", values, "), with the "
+                  "same ops on the same shapes: it reads something that changed between the two "
+                  "runs, such as a module switched to eval() or train() (BatchNorm), a number it "
+                  "captured by reference or reads from a module (a scale, a temperature), a "
+                  "tensor it captured that was modified since, or a random generator of its own. "
+                  "The gradients would be those of the new values. Change such state after "
+                  "backward(); capture by value, pass tensors as arguments");
   }
 
   BlockFunction block_;
@@ -308,8 +361,10 @@ class CheckpointNode final : public torch::autograd::Node {
   std::vector<bool> grad_;
   RecordedState state_;
   edge_list leaves_;
-  std::vector<Output> outputs_;
+  RunRecord first_;
   std::vector<at::Tensor> buffers_;
+  BlockName name_;
+  ModuleModes modes_;
 };
 
 }  // namespace mixprec::detail

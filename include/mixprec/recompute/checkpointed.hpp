@@ -38,16 +38,28 @@
 namespace mixprec {
 namespace detail {
 
-/// The base of every mixprec::nn::Checkpointed: whether its forward is checkpointed.
+/// The base of every mixprec::nn::Checkpointed: whether its forward is checkpointed, and its
+/// name in the Errors of a recompute.
 class CheckpointedBase : public virtual HookedModule {
  public:
   ~CheckpointedBase() override = default;
   /// Whether its forward keeps no activations (set by apply_checkpointing).
   bool checkpointing() const noexcept { return checkpointing_; }
   void set_checkpointing(bool on) noexcept { checkpointing_ = on; }
+  /// Its path in the model (apply_checkpointing sets it), for the Errors of its recompute.
+  void set_path(const std::string& path) {
+    name_ = std::make_shared<const std::string>("module '" + path + "' (" + type_name() + ")");
+  }
+
+ protected:
+  /// "module 'encoder.layer.0' (mixprec::nn::Checkpointed<Layer>)", or without the path.
+  const std::shared_ptr<const std::string>& block_name() const noexcept { return name_; }
+  void set_type_name() { name_ = std::make_shared<const std::string>("module " + type_name()); }
+  virtual std::string type_name() const = 0;
 
  private:
   bool checkpointing_ = false;
+  std::shared_ptr<const std::string> name_;
 };
 
 /// A module whose forward takes one tensor and returns one (a Linear, a norm layer, a
@@ -95,7 +107,7 @@ class CheckpointedForward<Derived, Impl, true> : public MappableBase {
     auto compute = [inner, region = region_](const at::Tensor& x) {
       return forward_in_region(region, x, [&](const at::Tensor& y) { return inner->forward(y); });
     };
-    return checkpoint_block(buffers_of(*inner), std::move(compute), input);
+    return checkpoint_block(self.block_context(), std::move(compute), input);
   }
 };
 
@@ -133,6 +145,8 @@ class CheckpointedImpl
       register_buffer(item.key(), item.value());
     }
     for (auto& item : inner_->named_children()) register_module(item.key(), item.value());
+    set_type_name();
+    mixprec::detail::unit_built(*this, *this);  // a mixprec::ShardedBuild takes it from here
   }
 
   /// f(module, args...) (module: M's Impl&), checkpointed while checkpointing() is on: none
@@ -165,9 +179,18 @@ class CheckpointedImpl
     auto block = [inner = inner_.ptr(), f = std::decay_t<F>(std::forward<F>(f))](auto&&... a) mutable {
       return f(*inner, a...);
     };
-    return mixprec::detail::checkpoint_block(mixprec::detail::buffers_of(*inner_), std::move(block),
+    return mixprec::detail::checkpoint_block(block_context(), std::move(block),
                                              std::forward<Args>(args)...);
   }
+
+  // The buffers to put back, the name and the modes of M, for a checkpoint of its forward.
+  mixprec::detail::BlockContext block_context() const {
+    return {mixprec::detail::buffers_of(*inner_), block_name(), {inner_.ptr()}};
+  }
+  std::string type_name() const override {
+    return "mixprec::nn::Checkpointed<" + mixprec::detail::holder_name(*inner_) + ">";
+  }
+  friend class mixprec::detail::CheckpointedForward<CheckpointedImpl<M>, Impl>;
 
  public:
 
@@ -227,7 +250,10 @@ inline std::vector<std::string> apply_checkpointing(const std::shared_ptr<torch:
     selected.push_back(module);
     names.push_back(paths[i]);
   }
-  for (auto* module : selected) module->set_checkpointing(true);
+  for (std::size_t i = 0; i < selected.size(); ++i) {
+    selected[i]->set_checkpointing(true);
+    selected[i]->set_path(names[i]);
+  }
   return names;
 }
 

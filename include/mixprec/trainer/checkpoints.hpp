@@ -4,7 +4,8 @@
 // (load_weights, load_state_dict: trainer/load_weights.hpp), and LibTorch's composition
 // (`archive << trainer`, `torch::save(trainer, path)`, `torch::load(trainer, path)`). Trainer<P>
 // derives from TrainerCheckpoints<P>, which reads its parts through friendship: the format is
-// state.hpp, the data-parallel side ranks.hpp.
+// state.hpp, the data-parallel side ranks.hpp, a sharded run's directory sharded_save.hpp and
+// sharded_load.hpp.
 
 #include <mixprec/core/error.hpp>
 #include <mixprec/core/policy.hpp>
@@ -18,6 +19,8 @@
 #include <mixprec/trainer/ranks.hpp>
 #include <mixprec/trainer/schedule.hpp>
 #include <mixprec/trainer/setup.hpp>
+#include <mixprec/trainer/sharded_load.hpp>
+#include <mixprec/trainer/sharded_save.hpp>
 #include <mixprec/trainer/state.hpp>
 
 #include <torch/ordered_dict.h>
@@ -72,11 +75,18 @@ class TrainerCheckpoints {
   /// the others return once it has, with its Error if it failed.
   /// `user` goes into the same file (the epoch, the position in the data: anything an IValue
   /// holds), and load() returns it.
-  /// Sharded (DistributedOptions::shard_optimizer_state): the same file as unsharded data
-  /// parallel writes, whatever the world size: every rank gathers the optimizer state and the
-  /// masters of all ranks first (for the time of the save, the memory of an unsharded run).
+  /// Sharded (DistributedOptions::shard_optimizer_state): `path` is a directory, a sharded
+  /// checkpoint (docs/distributed.md, "Sharded checkpoints"): each rank writes the pieces it
+  /// holds into a file of its own, piece by piece, rank 0 the index last; complete and verified,
+  /// or the previous checkpoint stays. load() takes it at any world size, sharded or not.
+  /// With Adam's moments in a block format (Moments8bit, ...) a sharded run writes the
+  /// consolidated file instead, every rank's rows gathered; a trainer of such a policy refuses
+  /// to load a sharded checkpoint (an Error before anything changes).
   void save(const std::string& path, const UserValues& user = {}) const {
     check_saveable(user);
+    // Block-format moments: their pieces are rows, which the sharded checkpoint's files do not
+    // describe; such a run writes the consolidated file (the rows gathered, gather_rows).
+    if (self().tensors_.sharded() && !quantized_moments<P>) return save_sharded_checkpoint(path, user);
     const WholeState whole(self().data_parallel_.get());
     const auto rngs = gather_rngs(self().data_parallel_.get());
     const auto view = consolidated(/*values=*/true, /*state=*/true);
@@ -94,7 +104,12 @@ class TrainerCheckpoints {
   /// shared file system); if any rank cannot, every rank throws and none changes. Returns the
   /// user values saved with it (none: empty). Sharded: any checkpoint of the same model and
   /// optimizer, written at any world size, sharded or not; each rank keeps its slices of it.
+  /// A directory is a sharded checkpoint (written by a sharded run's save() at any world size):
+  /// each rank reads only the ranges it holds, after every file was checked (sizes, headers, and
+  /// the checksums, shared out over the ranks); a missing, damaged or foreign file is an Error
+  /// that names it, and nothing is loaded.
   UserValues load(const std::string& path) {
+    if (sharded_at(path)) return load_sharded_checkpoint(path);
     return load_with(path, [&](auto& commit) {
       auto archive = read_state_file(path);
       return load_checked(archive, path, commit);
@@ -157,10 +172,18 @@ class TrainerCheckpoints {
   /// Writes fp32_state_dict() to `path` atomically: WeightsFormat::libtorch as Module::save
   /// writes a model, so that `torch::load(fp32_model, path)` reads it into a model of the same
   /// architecture built in fp32; WeightsFormat::pickle as a tuple of (name, tensor) pairs, which
-  /// Python reads with `model.load_state_dict(dict(torch.load(path)))`.
-  /// Sharded: collective, as fp32_state_dict().
+  /// Python reads with `model.load_state_dict(dict(torch.load(path)))`; WeightsFormat::
+  /// safetensors tensor by tensor, never the whole model at once (Python:
+  /// `model.load_state_dict(safetensors.torch.load_file(path))`).
+  /// Sharded: collective. safetensors gathers one bucket at a time (at most a ZeRO-3 unit) and
+  /// rank 0 writes it; the other formats gather everything on every rank first.
   void save_fp32(const std::string& path, WeightsFormat format = WeightsFormat::libtorch) const {
     self().check_not_busy("save_fp32");
+    if (format == WeightsFormat::safetensors) {
+      return detail::save_fp32_streamed(path, *self().model_, self().tensors_.masters(),
+                                        self().tensors_.sharded() ? self().data_parallel_.get()
+                                                                  : nullptr);
+    }
     const WholeState whole(self().data_parallel_.get());
     const auto view = consolidated(/*values=*/true, /*state=*/false);
     detail::save_fp32(path, format, *self().model_, masters_of(view));
@@ -216,6 +239,13 @@ class TrainerCheckpoints {
     const auto& t = self();
     write_state(archive, parts(view), t.counters_, c10::IValue(t.scaler_.state_dict()), rngs,
                 user);
+    write_extras(archive);
+  }
+
+  // What a checkpoint holds beside the format's own parts: fp8's scaling state, stochastic
+  // rounding's seed and count, the learning-rate schedule.
+  void write_extras(torch::serialize::OutputArchive& archive) const {
+    const auto& t = self();
     if constexpr (fp8_policy<P>) archive.write("mixprec.fp8", c10::IValue(t.fp8_.state_dict()));
     if constexpr (quantized_moments<P>) {  // the format of the moments' rows
       archive.write("mixprec.moments", c10::IValue(moment_coding_name(moment_coding_of<P>)));
@@ -226,6 +256,86 @@ class TrainerCheckpoints {
                                 static_cast<std::int64_t>(lean->rounds())}, at::kLong));
     }
     t.schedule_.write(archive);
+  }
+
+  // Whether `path` is a sharded checkpoint: a directory on any rank (then every rank reads it
+  // as one, and a rank whose path is none says so).
+  bool sharded_at(const std::string& path) {
+    const bool here = sharded_checkpoint_at(path);
+    auto* group = self().data_parallel_.get();
+    return group == nullptr ? here : group->any(here);
+  }
+
+  void save_sharded_checkpoint(const std::string& dir, const UserValues& user) const {
+    const auto& t = self();
+    const auto own = parts(std::nullopt);
+    save_sharded(dir, own, *t.data_parallel_, [&](auto& archive, const auto& groups) {
+      write_small_state(archive, own, t.counters_, c10::IValue(t.scaler_.state_dict()), user,
+                        groups);
+      write_extras(archive);
+    });
+  }
+
+  // load(directory): everything read and checked on every rank, the vote, then the ranges.
+  UserValues load_sharded_checkpoint(const std::string& dir) {
+    auto& t = self();
+    t.check_not_busy("load");
+    MIXPREC_CHECK(!quantized_moments<P>, "load('", dir, "'): a sharded checkpoint (a directory) "
+                  "into a trainer whose Adam moments are in a block format (",
+                  moment_coding_name(moment_coding_of<P>), "): its files hold plain moments, "
+                  "which this load does not code; load a checkpoint file (save() of an unsharded "
+                  "run, or of a run with block-format moments); nothing was loaded");
+    t.adopt_optimizer_changes();
+    return voted_load(t.data_parallel_.get(), dir, [&](auto& commit) {
+      return checked_or_error(dir, [&] {
+        ShardedReader reader(dir, parts(std::nullopt), t.tensors_.masters(), narrow_moments_of<P>);
+        auto small = read_small(reader.state(), dir, reader.scaler_state(), /*recipe_recorded=*/true);
+        auto user = read_user_values(reader.state(), dir);
+        commit();  // every rank has read and checked all of it
+        if (t.tensors_.sharded()) {
+          reader.apply();
+        } else {
+          LeanLoad<P> lean(t.tensors_.masters(), *t.optimizer_);
+          reader.apply();
+          lean.loaded();
+        }
+        apply_small(small, reader.counters());
+        return user;
+      });
+    });
+  }
+
+  // What a checkpoint holds beside the tensors and the optimizer, read and checked: the scaler's
+  // state (in a scaler of its own), the schedule, fp8's scaling state, the rounding.
+  struct SmallState {
+    typename P::scaler_type scaler;
+    ScheduleState schedule;
+    std::vector<std::pair<at::Tensor*, at::Tensor>> fp8;
+    std::array<std::uint64_t, 2> rounding;
+  };
+  SmallState read_small(torch::serialize::InputArchive& archive, const std::string& source,
+                        const c10::IValue& scaler_state, bool recipe_recorded) {
+    auto& t = self();
+    SmallState small{make_scaler<P>(t.options_), {}, {}, {}};
+    small.scaler.load_state_dict(scaler_state.toGenericDict());
+    small.schedule = t.schedule_.read(archive, source);
+    if constexpr (fp8_policy<P>) {
+      c10::IValue saved;
+      archive.try_read("mixprec.fp8", saved);
+      small.fp8 = t.fp8_.check_state(saved, source, recipe_recorded);
+    }
+    small.rounding = read_rounding(archive, source, t.options_.rounding_seed());
+    return small;
+  }
+  // After the optimizer's state and options (which hold the lrs) are in place.
+  void apply_small(SmallState& small, const TrainerCounters& counters) {
+    auto& t = self();
+    if (auto* lean = t.tensors_.lean()) lean->set_rounding(small.rounding[0], small.rounding[1]);
+    Fp8Layers::apply_state(small.fp8);
+    t.fp8_.finish_step(/*stepped=*/false);  // an accumulation's amaxes belong to another run
+    t.scaler_ = std::move(small.scaler);
+    t.schedule_.apply(small.schedule, *t.optimizer_);  // after the optimizer's options
+    t.restart_from(counters);
   }
 
   // StochasticRounding's seed and count of rounded steps; a checkpoint without them (other
@@ -277,17 +387,8 @@ class TrainerCheckpoints {
     auto& t = self();
     auto view = consolidated(/*values=*/false, /*state=*/false);
     auto loaded = read_state(archive, source, parts(view));
-    auto scaler = make_scaler<P>(t.options_);
-    scaler.load_state_dict(loaded.scaler_state.toGenericDict());
-    const auto schedule = t.schedule_.read(archive, source);
-    std::vector<std::pair<at::Tensor*, at::Tensor>> fp8_state;
-    if constexpr (fp8_policy<P>) {
-      c10::IValue saved;
-      archive.try_read("mixprec.fp8", saved);
-      fp8_state = t.fp8_.check_state(saved, source, /*recipe_recorded=*/loaded.policy_settings);
-    }
-    const auto rounding = read_rounding(archive, source, t.options_.rounding_seed());
     const auto moments = read_moments(archive, source);
+    auto small = read_small(archive, source, loaded.scaler_state, loaded.policy_settings);
     commit();  // every rank has read and checked all of it
     if (view) {  // sharded: read into the full view, then each rank takes its slices
       apply_state(loaded, *view->optimizer);
@@ -299,12 +400,7 @@ class TrainerCheckpoints {
       apply_state(loaded, *t.optimizer_);
       lean.loaded(moments);
     }
-    if (auto* lean = t.tensors_.lean()) lean->set_rounding(rounding[0], rounding[1]);
-    Fp8Layers::apply_state(fp8_state);
-    t.fp8_.finish_step(/*stepped=*/false);  // an accumulation's amaxes belong to another run
-    t.scaler_ = std::move(scaler);
-    t.schedule_.apply(schedule);  // after the optimizer's options, which hold the lrs
-    t.restart_from(loaded.counters);
+    apply_small(small, loaded.counters);
     return std::move(loaded.user);
   }
 };

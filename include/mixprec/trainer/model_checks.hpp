@@ -6,6 +6,7 @@
 #include <mixprec/core/error.hpp>
 #include <mixprec/core/state_storage.hpp>
 #include <mixprec/core/tensor_set.hpp>
+#include <mixprec/nn/linear.hpp>
 #include <mixprec/precision/model_cast.hpp>
 
 #include <ATen/ATen.h>
@@ -37,8 +38,14 @@ void check_parameter_device(const std::string& name, const c10::Device& device) 
 template <class P>
 void check_model_dtypes(const torch::nn::Module& model) {
   const auto kept_fp32 = identities(parameters_kept_fp32(model, P::keep_batch_norm_fp32));
+  // A frozen LoRA base stored in bf16, fp16 or fp8 is taken as it is (never trained or cast).
+  const auto fixed = identities(nn::detail::fixed_dtype_tensors(model));
   for (const auto& item : model.named_parameters()) {
     const auto dtype = item.value().scalar_type();
+    if (fixed.count(item.value().unsafeGetTensorImpl()) == 1) {
+      check_parameter_device<P>(item.key(), item.value().device());
+      continue;
+    }
     if constexpr (takes_low_model<P>) {
       // PureHalf: a model built in its Low dtype (Python's model.to(torch.bfloat16)) is what
       // the cast would make of it, where the policy casts it.
@@ -66,6 +73,24 @@ void check_model_dtypes(const torch::nn::Module& model) {
            dtype, "))");
     }
     check_parameter_device<P>(item.key(), item.value().device());
+  }
+}
+
+/// No tensor of `optimizer` is a frozen LoRA base stored in a dtype of its own (bf16, fp8): it
+/// would get fp32 masters and moments, or be stepped in fp8.
+inline void check_fixed_untrained(const torch::nn::Module& model,
+                                  const std::vector<at::Tensor>& trained) {
+  const auto fixed = identities(nn::detail::fixed_dtype_tensors(model));
+  if (fixed.empty()) return;
+  for (const auto& item : model.named_parameters()) {
+    if (fixed.count(item.value().unsafeGetTensorImpl()) == 0) continue;
+    for (const auto& t : trained) {
+      MIXPREC_CHECK(!t.is_same(item.value()), "the optimizer holds '", item.key(), "', the "
+                    "frozen base of a LoRA layer stored in ", item.value().scalar_type(),
+                    ", which is not trained: build the optimizer on "
+                    "mixprec::trainable_parameters(model) (the adapters and the modules left "
+                    "trainable)");
+    }
   }
 }
 

@@ -62,11 +62,30 @@ inline UnscalePlan plan_unscale(const TrainerOptions& options, const MasterWeigh
 struct OptimizerStep {
   bool stepped = false;             ///< false: inf/NaN, skipped
   std::optional<double> grad_norm;  ///< the total unscaled gradient norm, when clipping
+  /// What the optimizer's gradients must still be divided by to be the step's unscaled (and
+  /// clipped) ones: 1 where the passes or ATen's fused step wrote them so; the scale where a
+  /// skipped step left them scaled; the step's divisor where mixprec's one-pass lean step
+  /// divided as it read them (step_gradients.hpp).
+  double grad_divisor = 1.0;
 };
 
 /// A one-pass step over what a storage keeps, gradients divided by its argument (lean_step.hpp's
 /// one_pass_step_of: lean_adam_step, quantized_adam_step).
 using OnePassStep = std::function<void(const at::Tensor&)>;
+
+/// A step skipped because clipping's read pass found inf/NaN writes nothing: masters that
+/// were to read the model's gradients (UnscalePlan::grads_from) get them as they are, scaled.
+inline void copy_skipped_grads(torch::optim::Optimizer& optimizer, const UnscalePlan& plan) {
+  const auto& sources = plan.grads_from();
+  std::size_t i = 0;
+  at::NoGradGuard no_grad;
+  for (auto& group : optimizer.param_groups()) {
+    for (auto& p : group.params()) {
+      const auto& grad = sources[i++].grad();
+      if (grad.defined() && !grad.is_sparse()) p.mutable_grad() = grad.to(p.scalar_type());
+    }
+  }
+}
 
 /// Unscales, checks, clips, and steps or skips (`fused`: through ATen's fused Adam/AdamW, which
 /// divides by the scale itself); the engine is ready for the next step whatever happens.
@@ -76,20 +95,29 @@ inline OptimizerStep take_optimizer_step(StepEngine& engine, torch::optim::Optim
                                          const UnscalePlan& plan, bool fused,
                                          const OnePassStep& one_pass = {}) {
   OptimizerStep result;
+  const double scale = engine.get_scale();
   try {
     if (fused || one_pass) {
-      const auto done = engine.step_fused(optimizer, plan, [&](const at::Tensor& scale) {
+      const auto done = engine.step_fused(optimizer, plan, [&](const at::Tensor& divisor) {
         if (one_pass) {
-          one_pass(scale);
+          one_pass(divisor);
+          // The one pass divides as it reads (on the CPU: a host value).
+          if (divisor.defined()) result.grad_divisor = divisor.item<double>();
         } else {
-          fused_adam_step(optimizer, scale);
+          fused_adam_step(optimizer, divisor);  // writes the divided gradients back
         }
       });
       result.stepped = done.stepped;
       result.grad_norm = done.grad_norm;
+      if (!result.stepped) result.grad_divisor = scale;
     } else {
       result.grad_norm = engine.unscale_planned(optimizer, plan);
       result.stepped = engine.step(optimizer);
+      // Clipping's read pass found inf/NaN (here, or sharded on any rank): nothing was divided.
+      if (!result.stepped && result.grad_norm && !std::isfinite(*result.grad_norm)) {
+        result.grad_divisor = scale;
+        if (!plan.grads_from().empty()) copy_skipped_grads(optimizer, plan);
+      }
     }
   } catch (...) {
     engine.reset_stages();

@@ -47,6 +47,10 @@ struct StepReport {
   double scale = 1.0;                ///< the loss scale this step used
   std::optional<double> grad_norm;   ///< total gradient norm, when clipping (max_grad_norm)
   std::int64_t step = 0;             ///< optimizer steps so far (taken or skipped)
+  /// Which micro-batch of its optimizer step this is, 1 to accumulation_steps. 1 starts a
+  /// step: what an on_step observer sums over a step's micro-batches starts over there (after
+  /// load() or drop_accumulation() too, which drop the micro-batches accumulated before).
+  std::int64_t micro_batch = 1;
   /// The learning rate of the optimizer's first param group for this optimizer step: the one
   /// its update used (or would have, when skipped); while accumulating, the one it will use.
   /// NaN for an optimizer whose options have no get_lr().
@@ -93,9 +97,10 @@ struct TrainerSettings {
 };
 
 // What a policy's options may set: scaler options where its scaler takes them; the fused
-// optimizer step where the optimizer's parameters are fp32 (not PureHalf's low dtype, where
-// ATen's fused Adam would divide by the loss scale in that dtype). void: any policy, checked
-// when the Trainer is built.
+// optimizer step where the optimizer's parameters are fp32 (masters: MixedO2's, or the copies
+// PureHalf<BFloat16, StochasticRounding<>> steps; not plain PureHalf's low dtype, where ATen's
+// fused Adam would divide by the loss scale in that dtype), as the Trainer checks at run time.
+// void: any policy, checked when the Trainer is built.
 template <class P>
 concept scaler_from_options =
     !std::is_same_v<typename P::scaler_type, NoScaler> &&
@@ -113,7 +118,7 @@ concept takes_fused_optimizer = std::is_void_v<P> || fp32_optimizer_params<P>;
 /// when it is built what its policy cannot take (an Error). `Trainer<P>::Options`, the same
 /// settings typed by the policy, makes those mistakes compile errors: scaler(...) where P scales
 /// nothing (NoScaler) or its scaler takes no GradScalerOptions, fused_optimizer(...) where P
-/// keeps the optimizer's parameters in its low dtype (PureHalf).
+/// keeps the optimizer's parameters in its low dtype (PureHalf without stochastic rounding).
 // A setter that returns the options (for chaining) and a getter, as LibTorch's TORCH_ARG.
 #define MIXPREC_TRAINER_OPTION(T, name)         \
   BasicTrainerOptions& name(T value) {          \
@@ -154,9 +159,11 @@ class BasicTrainerOptions {
 
   /// Steps a torch::optim::Adam or AdamW through ATen's fused kernel, with the unscale (and the
   /// clip factor) folded into it: one pass over the parameters instead of about ten. Needs
-  /// LibTorch >= 2.4 and fp32 optimizer parameters (every policy but PureHalf); results equal
-  /// the unfused step's up to rounding (docs/guide.md, "Fused Adam"). Under PureHalf a compile
-  /// error with Trainer<P>::Options, an Error with TrainerOptions.
+  /// LibTorch >= 2.4 and fp32 optimizer parameters (every policy but PureHalf without
+  /// stochastic rounding); under the lean storages on the CPU mixprec's one-pass kernel steps
+  /// (any LibTorch), in ATen's arithmetic. Results equal the unfused step's within a derived
+  /// rounding bound (docs/guide.md, "Fused Adam"). Under plain PureHalf a compile error with
+  /// Trainer<P>::Options, an Error with TrainerOptions.
   BasicTrainerOptions& fused_optimizer(bool value)
     requires detail::takes_fused_optimizer<P>
   {
@@ -221,6 +228,8 @@ class BasicTrainerOptions {
   /// StochasticRounding's seed: the bits that round element i of the k-th tensor at optimizer
   /// step s are a hash of (seed, s, k, i) (optim/lean_kernels.hpp), the same on every data
   /// parallel rank and after a checkpoint's load (which restores the seed and s). 0 by default.
+  /// MixedFP8<NVFP4Scaling<>> draws its gradients' stochastic rounding and its Hadamard signs
+  /// from the same seed (fp8/nvfp4.hpp).
   MIXPREC_TRAINER_OPTION(std::uint64_t, rounding_seed)
 
   /// Every value, as the Trainer reads them.

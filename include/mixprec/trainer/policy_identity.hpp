@@ -2,8 +2,8 @@
 // What a checkpoint's policy is checked against: every setting of the policy that changes the
 // numbers (the low dtype, where the model is cast, masters, BatchNorm's dtype, the scaler type,
 // an fp8 recipe with every setting of it: history, margin, granularity, scale rounding, the
-// gradients' format, the weight gradient's precision), written out from the type, not its
-// display name.
+// gradients' format, the weight gradient's precision; a block-scaled recipe's format, block,
+// scale mode and NVFP4's parts), written out from the type, not its display name.
 // Two types with the same settings load each other's checkpoints; two with the same name and
 // other settings (a custom policy that inherits its base's name; DelayedScaling<4> and
 // DelayedScaling<4, 3>, both "MixedFP8<DelayedScaling>") do not.
@@ -33,6 +33,9 @@ struct PolicyIdentity {
 /// keep_batch_norm_fp32, scaler (the type's name), fp8 (none, tensorwise, delayed or rowwise),
 /// for delayed scaling fp8_history and fp8_margin, for the rowwise recipes
 /// fp8_power_of_2_scales, fp8_grad_output (e4m3 or e5m2) and fp8_weight_grad (fp8 or bf16);
+/// for a block-scaled recipe fp8 (mxfp8, blockwise or nvfp4) and its own keys (fp8_block,
+/// fp8_scale_mode, fp8_weight_grad; nvfp4_weight_blocks, nvfp4_gradient_rounding,
+/// nvfp4_hadamard);
 /// then, for a lean storage only (so that the checkpoints of the others read as before),
 /// storage (RemainderMasters<BFloat16>, ...).
 template <class P>
@@ -50,7 +53,11 @@ PolicyIdentity policy_identity() {
   add("master_weights", flag(P::master_weights));
   add("keep_batch_norm_fp32", flag(P::keep_batch_norm_fp32));
   add("scaler", c10::demangle(typeid(typename P::scaler_type).name()));
-  if constexpr (fp8_policy<P>) {
+  if constexpr (fp8_policy<P> && requires { typename P::recipe; P::recipe::identity(); }) {
+    // A block-scaled recipe (fp8/block_recipes.hpp) writes out its own settings: the format,
+    // the block, the scale mode, NVFP4's switches.
+    for (const auto& [key, value] : P::recipe::identity()) add(key, value);
+  } else if constexpr (fp8_policy<P>) {
     using Recipe = typename P::recipe;
     add("fp8", Recipe::delayed ? "delayed" : Recipe::rowwise ? "rowwise" : "tensorwise");
     if constexpr (Recipe::delayed) {

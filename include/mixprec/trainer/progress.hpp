@@ -78,10 +78,14 @@ class ProgressLine {
   /// The on_step callback.
   void operator()(const StepReport& report) const {
     auto& s = *state_;
-    // A resumed run starts at its checkpoint's step: the time left counts from there.
-    if (s.first_step < 0) {
-      s.first_step = report.step - (report.status == StepStatus::accumulating ? 0 : 1);
+    // A resumed run starts at its checkpoint's step, and a load() may take the run back: the
+    // time left counts from there.
+    const auto before = report.step - (report.status == StepStatus::accumulating ? 0 : 1);
+    if (s.first_step < 0 || before < s.last_before) {
+      s.first_step = before;
+      s.start = Clock::now();
     }
+    s.last_before = before;
     if (!s.tally.add(report)) return;
     if (report.status == StepStatus::skipped) ++s.skipped;
     const auto now = Clock::now();
@@ -113,6 +117,7 @@ class ProgressLine {
     detail::StepTally tally;
     std::int64_t skipped = 0;
     std::int64_t first_step = -1;  // the optimizer steps made before the first report
+    std::int64_t last_before = -1;  // ... before the latest report
     bool terminal = false;
     bool drawn = false;
     bool finished = false;

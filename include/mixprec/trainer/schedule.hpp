@@ -8,6 +8,17 @@
 // Trainer makes that initial step for a scheduler that has not stepped yet: then the lr of
 // optimizer step k is Python's for every LRScheduler whose get_lrs() reads its step count as
 // Python's get_lr() reads last_epoch (StepLR does).
+//
+// A Python scheduler belongs to the optimizer it was built on. A new optimizer assigned to the
+// Trainer's (new options for every param group) brings its own lrs, and the schedule goes on
+// from them at the Trainer's step, as a Python scheduler built on the new optimizer with
+// last_epoch at that step would: lr_lambda takes them as its base lrs (lr = new lr * f(k));
+// a LibTorch scheduler makes this step's step again, on them (StepLR: the new lr, decayed where
+// k is a boundary). A param group added later brings its lr too: lr_lambda's base for it; a
+// scheduler must return an lr for it from its next step on (Python's scheduler step() raises
+// where it does not, after optimizer.step(), as LibTorch's throws c10::Error): the Trainer asks
+// for that step's lrs before the first micro-batch after the group arrived, and a scheduler
+// that returns too few (one that keeps base lrs of its own) is an Error before anything changes.
 
 #include <mixprec/core/error.hpp>
 #include <mixprec/trainer/options.hpp>
@@ -23,6 +34,7 @@
 #include <functional>
 #include <limits>
 #include <memory>
+#include <optional>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -98,6 +110,7 @@ class LrSchedule {
       // The first step start() makes, checked before the Trainer changes the model.
       if (LrSchedulerAccess::count(*scheduler_) == 0) {
         first_lrs_ = LrSchedulerAccess::next_lrs(*scheduler_);
+        check_count(first_lrs_, optimizer);
         for (std::size_t g = 0; g < first_lrs_.size(); ++g) {
           MIXPREC_CHECK(std::isfinite(first_lrs_[g]) && first_lrs_[g] >= 0,
                         "TrainerOptions::lr_scheduler: its first step (the one Python's "
@@ -114,6 +127,7 @@ class LrSchedule {
   /// The constructor's part of Python's scheduler (last_epoch -1 -> 0): a LibTorch scheduler
   /// that has not stepped makes its first step; lr_lambda sets each group's lr to base * f(0).
   void start(torch::optim::Optimizer& optimizer) {
+    options_of_ = options_ids(optimizer);
     if (scheduler_) {
       // LRScheduler::step() is get_lrs(), set them, count: with the lrs the constructor
       // checked, so that a get_lrs() with state of its own runs once for this step.
@@ -121,6 +135,7 @@ class LrSchedule {
         set_group_lrs(optimizer, first_lrs_);
         ++LrSchedulerAccess::count(*scheduler_);
       }
+      scheduled_groups_ = optimizer.param_groups().size();
       expected_count_ = LrSchedulerAccess::count(*scheduler_);
     } else if (factor_) {
       base_lrs_ = group_lrs(optimizer);
@@ -147,18 +162,23 @@ class LrSchedule {
                   "Nothing was changed");
   }
 
-  /// Each micro-batch, before its forward pass (`steps`: optimizer steps so far). lr_lambda: a
-  /// param group added since (and adopted by the Trainer) joins the schedule, its lr as it
-  /// joins its base. And an lr that changes between the micro-batches of one optimizer step
-  /// means a schedule stepped per trainer.step() call, which with accumulation advances
+  /// Each micro-batch, before its forward pass (`steps`: optimizer steps so far): param groups
+  /// with new options (a new optimizer, a group added; adopted by the Trainer) bring their
+  /// lrs (follow_new_options). And an lr that changes between the micro-batches of one optimizer
+  /// step means a schedule stepped per trainer.step() call, which with accumulation advances
   /// accumulation_steps times per optimizer step: warned once.
   void before_micro_batch(torch::optim::Optimizer& optimizer, std::int64_t pending,
                           std::int64_t steps) {
-    if (factor_ && optimizer.param_groups().size() > base_lrs_.size()) {
-      apply_factor(optimizer, steps);
+    const bool renewed = follow_new_options(optimizer, steps);
+    // A group count the scheduler has not stepped for: its next lrs, asked now (once: its step
+    // uses them), before the forward pass.
+    if (scheduler_ && !next_lrs_ && optimizer.param_groups().size() != scheduled_groups_) {
+      auto lrs = LrSchedulerAccess::next_lrs(*scheduler_);
+      check_count(lrs, optimizer);
+      next_lrs_ = std::move(lrs);
     }
     if (warned_ || accumulation_steps_ <= 1 || !reads_lr_) return;
-    if (pending == 0) {
+    if (pending == 0 || renewed) {  // new options explain a new lr
       lrs_at_first_ = group_lrs(optimizer);
       return;
     }
@@ -224,12 +244,14 @@ class LrSchedule {
     return state;
   }
 
-  /// After the optimizer's options (and so its lrs) were restored.
-  void apply(const ScheduleState& state) {
+  /// After the optimizer's options (and so its lrs) were restored: new objects, not new lrs.
+  void apply(const ScheduleState& state, const torch::optim::Optimizer& optimizer) {
+    options_of_ = options_ids(optimizer);
     if (scheduler_) {
       using Count = std::remove_reference_t<decltype(LrSchedulerAccess::count(*scheduler_))>;
       LrSchedulerAccess::count(*scheduler_) = static_cast<Count>(state.count);
       expected_count_ = state.count;
+      next_lrs_.reset();  // asked at another count
     } else if (factor_) {
       base_lrs_ = state.base_lrs;
     }
@@ -258,6 +280,57 @@ class LrSchedule {
                   "than the Trainer's; build it on the optimizer you pass to the Trainer");
   }
 
+  // Whether a param group keeps its options object when the optimizer's vector of groups grows
+  // (LibTorch 2.x moves the groups). LibTorch 1.13's groups have no move constructor: the copy
+  // clones their options, and add_param_group gives every earlier group a new one; its
+  // optimizers cannot be assigned either, so there the groups beyond the known ones are new.
+  static constexpr bool groups_keep_options =
+      std::is_nothrow_move_constructible_v<torch::optim::OptimizerParamGroup>;
+
+  static std::vector<const void*> options_ids(const torch::optim::Optimizer& optimizer) {
+    std::vector<const void*> ids;
+    for (const auto& group : optimizer.param_groups()) ids.push_back(&group.options());
+    return ids;
+  }
+
+  // The param groups whose options object the schedule has not seen (the file comment): their
+  // lrs are where the schedule goes on from. Nothing changes unless all of it can be done.
+  // Whether any group was new.
+  bool follow_new_options(torch::optim::Optimizer& optimizer, std::int64_t steps) {
+    const auto ids = options_ids(optimizer);
+    std::vector<std::size_t> fresh;
+    for (std::size_t g = 0; g < ids.size(); ++g) {
+      if (g >= options_of_.size() || (groups_keep_options && ids[g] != options_of_[g])) {
+        fresh.push_back(g);
+      }
+    }
+    if (fresh.empty()) return false;
+    if (factor_) {
+      const auto current = group_lrs(optimizer);
+      auto bases = base_lrs_;
+      bases.resize(current.size());
+      auto lrs = current;
+      for (const auto g : fresh) {
+        bases[g] = current[g];
+        lrs[g] = checked_factor(steps, g, bases[g]);
+      }
+      set_group_lrs(optimizer, lrs);
+      base_lrs_ = std::move(bases);
+    } else if (scheduler_ && fresh.size() == ids.size()) {
+      auto& count = LrSchedulerAccess::count(*scheduler_);
+      next_lrs_.reset();  // asked of the old optimizer's lrs
+      --count;  // a new optimizer: this step's step again, on its lrs
+      try {
+        step_scheduler(optimizer, steps);
+      } catch (...) {
+        ++count;
+        throw;
+      }
+    }
+    options_of_ = ids;
+    return true;
+  }
+
   double checked_factor(std::int64_t step, std::size_t group, double base) const {
     const double factor = factor_(step);
     const double lr = base * factor;
@@ -268,12 +341,11 @@ class LrSchedule {
   }
 
   // Python's LambdaLR: each group's lr is its base lr times f(step). A group added since (a
-  // late param group) takes its lr as it joins as its base (Python's LambdaLR ignores it).
+  // late param group, e.g. inside on_step) takes its lr as it joins as its base (Python's
+  // LambdaLR ignores it).
   void apply_factor(torch::optim::Optimizer& optimizer, std::int64_t step) {
+    follow_new_options(optimizer, step);
     const auto current = group_lrs(optimizer);
-    for (std::size_t g = base_lrs_.size(); g < current.size(); ++g) {
-      base_lrs_.push_back(current[g]);
-    }
     std::vector<double> lrs;
     for (std::size_t g = 0; g < current.size(); ++g) {
       lrs.push_back(checked_factor(step, g, base_lrs_[g]));
@@ -281,26 +353,41 @@ class LrSchedule {
     set_group_lrs(optimizer, lrs);
   }
 
-  // The scheduler's step, with the lrs it sets checked: an lr that is not finite and >= 0
-  // would turn the next update into inf/NaN. Put back as they were, with the count, if not.
+  // One lr per param group, or an Error that says which scheduler does not give them.
+  static void check_count(const std::vector<double>& lrs, const torch::optim::Optimizer& optimizer) {
+    MIXPREC_CHECK(lrs.size() == optimizer.param_groups().size(), "TrainerOptions::lr_scheduler: "
+                  "its get_lrs() returns ", lrs.size(), " lrs for the optimizer's ",
+                  optimizer.param_groups().size(), " param groups (a scheduler that keeps an "
+                  "lr of its own per group, and a group added since?): give it one lr per group "
+                  "(extend what it keeps when you add the group, or compute them from "
+                  "get_current_lrs()). Nothing was changed");
+  }
+
+  // LRScheduler::step() (get_lrs(), set them, count), with the lrs checked before they are
+  // set: one that is not finite and >= 0 would turn the next update into inf/NaN, too few for
+  // the groups throws c10::Error in LibTorch's step() (a group added inside on_step: the Error
+  // comes here, after the step). get_lrs() runs once per step: its lrs asked before the forward
+  // pass (before_micro_batch) are this step's.
   void step_scheduler(torch::optim::Optimizer& optimizer, std::int64_t steps) {
     const auto before = group_lrs(optimizer);
-    auto& count = LrSchedulerAccess::count(*scheduler_);
-    const auto count_before = count;
-    scheduler_->step();
-    const auto after = group_lrs(optimizer);
-    for (std::size_t g = 0; g < after.size(); ++g) {
-      if (std::isfinite(after[g]) && after[g] >= 0) continue;
-      set_group_lrs(optimizer, before);
-      count = count_before;
-      fail("TrainerOptions::lr_scheduler set param group ", g, "'s lr to ", after[g],
+    const auto lrs = next_lrs_ ? std::move(*next_lrs_) : LrSchedulerAccess::next_lrs(*scheduler_);
+    next_lrs_.reset();
+    check_count(lrs, optimizer);
+    for (std::size_t g = 0; g < lrs.size(); ++g) {
+      if (std::isfinite(lrs[g]) && lrs[g] >= 0) continue;
+      fail("TrainerOptions::lr_scheduler set param group ", g, "'s lr to ", lrs[g],
            " after optimizer step ", steps, ": the lr must be finite and >= 0. The lr stays ",
            before[g], " (optimizer step ", steps, " was taken or skipped as on_step reported)");
     }
+    set_group_lrs(optimizer, lrs);
+    ++LrSchedulerAccess::count(*scheduler_);
+    scheduled_groups_ = lrs.size();
   }
 
   std::shared_ptr<torch::optim::LRScheduler> scheduler_;
   std::vector<double> first_lrs_;  // the lrs of its first step, checked by the constructor
+  std::optional<std::vector<double>> next_lrs_;  // the next step's, asked before it (rare)
+  std::size_t scheduled_groups_ = 0;  // the param groups its last step set
   std::function<double(std::int64_t)> factor_;
   std::function<void(const std::string&)> on_warning_;
   std::int64_t accumulation_steps_ = 1;
@@ -308,6 +395,7 @@ class LrSchedule {
   std::int64_t expected_count_ = 0;  // the scheduler's count as the Trainer left it
   std::vector<double> base_lrs_;     // lr_lambda: each group's lr at the start
   std::vector<double> lrs_at_first_; // the lrs at this step's first micro-batch
+  std::vector<const void*> options_of_;  // each group's options object, as last followed
   bool warned_ = false;
 };
 

@@ -169,7 +169,9 @@ TrainerOptions checked_options(TrainerOptions options, const torch::optim::Optim
     check_shardable(optimizer);
     for (const auto& group : optimizer.param_groups()) {
       for (const auto& p : group.params()) {
-        MIXPREC_CHECK(p.is_contiguous(), "DistributedOptions::shard_optimizer_state: a parameter "
+        // (Held in shards: laid out from its pieces, into storage of its own.)
+        MIXPREC_CHECK(p.is_contiguous() || HeldShards::is_placeholder(p),
+                      "DistributedOptions::shard_optimizer_state: a parameter "
                       "of shape ", p.sizes(), " and strides ", p.strides(), " is not contiguous "
                       "(the ranks' slices are ranges of its elements in memory order); make it "
                       "contiguous before building the Trainer");
@@ -221,6 +223,35 @@ void warn_slow_fp16_convolutions(const torch::nn::Module& model, const TrainerOp
       } else {
         TORCH_WARN(message.str());
       }
+    }
+  }
+}
+
+// Whether the warning below was given in this process (tests reset it).
+inline std::atomic<bool>& slow_bf16_warned() {
+  static std::atomic<bool> warned{false};
+  return warned;
+}
+
+// Once per process: a policy computing in bf16 on a CPU without bf16 hardware that LibTorch
+// uses (CpuCapabilities::bf16_slow), where bf16 costs time instead of saving it.
+template <class P>
+void warn_slow_bf16(const TrainerOptions& options, const std::vector<c10::DeviceType>& devices) {
+  if constexpr (P::low_dtype == c10::ScalarType::BFloat16) {
+    bool on_cpu = false;
+    for (const auto device : devices) on_cpu = on_cpu || device == c10::DeviceType::CPU;
+    if (!on_cpu) return;
+    const auto& cpu = cpu_capabilities();
+    if (!cpu.bf16_slow) return;
+    if (slow_bf16_warned().exchange(true)) return;
+    std::ostringstream message;
+    message << "mixprec: Trainer<" << P::name << "> computes in bf16 on the CPU, and "
+            << slow_bf16_reason(cpu) << ". bf16 still halves the memory of what it stores in "
+            << "bf16; for speed on this CPU train in FullPrecision";
+    if (options.on_warning()) {
+      options.on_warning()(message.str());
+    } else {
+      TORCH_WARN(message.str());
     }
   }
 }

@@ -88,6 +88,15 @@ inline void check_user_values(const UserValues& user) {
   }
 }
 
+inline void write_user_values(torch::serialize::OutputArchive& archive, const UserValues& user) {
+  c10::List<std::string> keys;
+  for (const auto& [key, value] : user) {
+    archive.write("user." + key, value);
+    keys.push_back(key);
+  }
+  archive.write("mixprec.user_keys", c10::IValue(keys));
+}
+
 inline void write_state(torch::serialize::OutputArchive& archive,
                              const CheckpointParts& parts, const TrainerCounters& counters,
                              const c10::IValue& scaler_state, const RankRngs& rngs,
@@ -98,8 +107,12 @@ inline void write_state(torch::serialize::OutputArchive& archive,
   archive.write("mixprec.fused_optimizer", c10::IValue(parts.fused_optimizer));
   archive.write("mixprec.counters", at::tensor({counters.steps, counters.skipped_steps,
                                                 counters.micro_batches}, at::kLong));
+  // ZeRO-3: the units' weights are whole only while the Trainer writes the archive; one the
+  // caller saves later (torch::save(trainer, path)) must hold copies, not the released tensors.
+  const bool released_after = parts.data_parallel != nullptr && parts.data_parallel->shards_parameters();
   for (const auto& item : parts.model.named_parameters()) {
-    archive.write("model." + item.key(), item.value().detach());
+    const auto value = item.value().detach();
+    archive.write("model." + item.key(), released_after ? value.clone() : value);
   }
   for (const auto& item : parts.model.named_buffers()) {
     archive.write("model." + item.key(), item.value(), /*is_buffer=*/true);
@@ -138,12 +151,7 @@ inline void write_state(torch::serialize::OutputArchive& archive,
   for (const auto& [device, state] : own.cuda) {
     archive.write("rng.cuda." + std::to_string(device), state);
   }
-  c10::List<std::string> keys;
-  for (const auto& [key, value] : user) {
-    archive.write("user." + key, value);
-    keys.push_back(key);
-  }
-  archive.write("mixprec.user_keys", c10::IValue(keys));
+  write_user_values(archive, user);
 }
 
 /// A checkpoint read and checked against the trainer's parts; nothing has changed yet.
@@ -219,6 +227,36 @@ inline RngStates read_rngs(torch::serialize::InputArchive& archive, const std::s
   return rngs;
 }
 
+// Each param group's options as saved, checked against the optimizer's groups (the same type,
+// the same amsgrad setting); the caller has checked that the groups hold the same tensors.
+inline std::vector<std::unique_ptr<torch::optim::OptimizerOptions>> read_group_options(
+    torch::serialize::InputArchive& groups_archive, const std::string& path,
+    const torch::optim::Optimizer& optimizer) {
+  const auto& groups = optimizer.param_groups();
+  std::vector<std::unique_ptr<torch::optim::OptimizerOptions>> result;
+  for (std::size_t g = 0; g < groups.size(); ++g) {
+    torch::serialize::InputArchive options_archive;
+    MIXPREC_CHECK(groups_archive.try_read(std::to_string(g), options_archive), "'", path,
+                  "' lacks the options of param group ", g);
+    auto& options = result.emplace_back(groups[g].options().clone());
+    try {
+      options->serialize(options_archive);
+    } catch (const std::exception& e) {
+      fail("checkpoint '", path, "' holds options of another optimizer type for param group ",
+           g, ": ", message_of(e));
+    }
+    // AMSGrad keeps a state tensor more and steps by another rule: not an option a checkpoint
+    // may switch silently.
+    const auto saved_amsgrad = amsgrad_of(*options);
+    const auto own_amsgrad = amsgrad_of(groups[g].options());
+    MIXPREC_CHECK(saved_amsgrad == own_amsgrad, "checkpoint '", path, "' was written with "
+                  "amsgrad(", saved_amsgrad.value_or(false) ? "true" : "false", ") in param group ",
+                  g, ", this optimizer has amsgrad(", own_amsgrad.value_or(false) ? "true" : "false",
+                  "): build it with the same options");
+  }
+  return result;
+}
+
 // The optimizer's archive and its param groups' options, checked against the optimizer's groups.
 inline void read_optimizer(torch::serialize::InputArchive& archive, const std::string& path,
                            const torch::optim::Optimizer& optimizer, LoadedState& loaded) {
@@ -239,26 +277,7 @@ inline void read_optimizer(torch::serialize::InputArchive& archive, const std::s
   MIXPREC_CHECK(saved == sizes, "checkpoint '", path, "' holds an optimizer with param groups "
                 "of sizes ", at::IntArrayRef(saved), ", this one has ", at::IntArrayRef(sizes),
                 ": build the optimizer with the same param groups");
-  for (std::size_t g = 0; g < groups.size(); ++g) {
-    torch::serialize::InputArchive options_archive;
-    MIXPREC_CHECK(groups_archive.try_read(std::to_string(g), options_archive), "'", path,
-                  "' lacks the options of param group ", g);
-    auto& options = loaded.group_options.emplace_back(groups[g].options().clone());
-    try {
-      options->serialize(options_archive);
-    } catch (const std::exception& e) {
-      fail("checkpoint '", path, "' holds options of another optimizer type for param group ",
-           g, ": ", message_of(e));
-    }
-    // AMSGrad keeps a state tensor more and steps by another rule: not an option a checkpoint
-    // may switch silently.
-    const auto saved_amsgrad = amsgrad_of(*options);
-    const auto own_amsgrad = amsgrad_of(groups[g].options());
-    MIXPREC_CHECK(saved_amsgrad == own_amsgrad, "checkpoint '", path, "' was written with "
-                  "amsgrad(", saved_amsgrad.value_or(false) ? "true" : "false", ") in param group ",
-                  g, ", this optimizer has amsgrad(", own_amsgrad.value_or(false) ? "true" : "false",
-                  "): build it with the same options");
-  }
+  loaded.group_options = read_group_options(groups_archive, path, optimizer);
 }
 
 inline UserValues read_user_values(torch::serialize::InputArchive& archive,

@@ -70,6 +70,10 @@ class StepTally {
 
   /// Counts a report; true when it ends an optimizer step.
   bool add(const StepReport& report) {
+    // The first micro-batch of a step: losses counted before it that no step ended belong to
+    // micro-batches the Trainer dropped (load(), drop_accumulation()). The rate keeps them:
+    // they were computed.
+    if (report.micro_batch == 1) end_step();
     if (report.loss.defined()) {
       const auto loss = report.loss.detach().to(at::kDouble);
       loss_sum_ = loss_sum_.defined() ? loss_sum_ + loss : loss;

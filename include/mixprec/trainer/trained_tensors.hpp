@@ -7,6 +7,7 @@
 #include <mixprec/diagnostics/overflow.hpp>
 #include <mixprec/diagnostics/gradient_stats.hpp>
 #include <mixprec/core/error.hpp>
+#include <mixprec/core/held_shards.hpp>
 #include <mixprec/optim/master_weights.hpp>
 #include <mixprec/precision/model_cast.hpp>
 #include <mixprec/trainer/model_checks.hpp>
@@ -44,6 +45,7 @@ class TrainedTensors {
     const auto params = unique_tensors(model.parameters());
     claim_ = ModelClaim::acquire(params, P::name);
     check_model_dtypes<P>(model);
+    check_fixed_untrained(model, optimizer_tensors(optimizer));
     if constexpr (P::master_weights) {
       MasterWeights::check_rebindable(params, optimizer);
       check_dense_gradients(model, optimizer_tensors(optimizer), P::name);
@@ -65,6 +67,7 @@ class TrainedTensors {
       take_sharded(model, optimizer, unique_tensors(optimizer_tensors(optimizer)), true);
       return;
     }
+    check_not_held(model.named_parameters(), "Trainer");  // data parallel gathered its own
     if constexpr (P::cast_model) {
       std::vector<at::Tensor> fp32_values;
       if constexpr (P::master_weights) {
@@ -121,6 +124,7 @@ class TrainedTensors {
   /// Nothing changes unless all of it can be done.
   void adopt(torch::nn::Module& model, torch::optim::Optimizer& optimizer) {
     check_optimizer_constants<P>(optimizer);  // a late group's eps, too
+    check_fixed_untrained(model, optimizer_tensors(optimizer));
     const auto params = unique_tensors(model.parameters());
     if (shards_ != nullptr) {
       check_pieces_kept(optimizer);
@@ -214,6 +218,17 @@ class TrainedTensors {
   }
   /// The model tensors' gradients only.
   void clear_model_grads() const { detail::clear_grads(params_); }
+  /// After an optimizer step, the gradients of the model tensors that the optimizer stepped
+  /// through another tensor (an fp32 master, sharded pieces), which hold the step's gradient:
+  /// what a model tensor has there is a stand-in (scaled Low values, or this rank's own).
+  void clear_stand_in_grads() const {
+    if (shards_ != nullptr) return detail::clear_grads(params_);
+    if (!masters_) return;
+    for (const auto& p : params_) {
+      const auto master = masters_->master_of(p);
+      if (master.defined() && !master.is_same(p)) p.mutable_grad().reset();
+    }
+  }
   /// Between micro-batches: the partial sums out of reach of an optimizer (GradientHold).
   void hold_grads(const torch::optim::Optimizer& optimizer) {
     held_.hold(params_, optimizer, masters());

@@ -34,6 +34,7 @@
 #include <mixprec/trainer/schedule.hpp>
 #include <mixprec/trainer/setup.hpp>
 #include <mixprec/trainer/state_bytes.hpp>
+#include <mixprec/trainer/step_gradients.hpp>
 #include <mixprec/trainer/trained_tensors.hpp>
 
 #include <ATen/ATen.h>
@@ -41,6 +42,7 @@
 #include <torch/nn/module.h>
 #include <torch/nn/pimpl.h>
 #include <torch/optim/optimizer.h>
+#include <torch/ordered_dict.h>
 
 #include <concepts>
 #include <cstdint>
@@ -84,7 +86,8 @@ class Trainer : public detail::TrainerCheckpoints<P> {
                     P::name, "> with TrainerOptions::distributed: delayed scaling's amax "
                     "histories are per rank and are not reduced across ranks yet; use "
                     "MixedFP8<TensorwiseScaling> for data parallel");
-      fp8_layers = detail::Fp8Layers::find(*model_, P::name);  // throws if there are none
+      // Throws if there are none, or (block recipes) if a layer's features miss the blocks.
+      fp8_layers = detail::Fp8Layers::find<typename P::recipe>(*model_, P::name);
     }
     // All checks passed: from here on the model and optimizer change. Data parallel
     // (collective): the same model on every rank, then rank 0's values everywhere, before the
@@ -97,7 +100,10 @@ class Trainer : public detail::TrainerCheckpoints<P> {
     if (auto* lean = tensors_.lean()) lean->set_rounding(options_.rounding_seed(), 0);
     if (data_parallel_) tensors_.bind(*data_parallel_, *model_);
     detail::warn_slow_fp16_convolutions<P>(*model_, options_, tensors_.device_types());
-    if constexpr (detail::fp8_policy<P>) fp8_.enable<typename P::recipe>(std::move(fp8_layers));
+    detail::warn_slow_bf16<P>(options_, tensors_.device_types());
+    if constexpr (detail::fp8_policy<P>) {
+      fp8_.enable<typename P::recipe>(std::move(fp8_layers), options_.rounding_seed());
+    }
     schedule_.start(optimizer);  // Python's scheduler constructor step (schedule.hpp)
   }
 
@@ -154,6 +160,26 @@ class Trainer : public detail::TrainerCheckpoints<P> {
     } else {
       return x.defined() && at::isFloatingType(x.scalar_type()) ? x.to(P::low_dtype) : x;
     }
+  }
+
+  /// Inside on_step, on a report that ends an optimizer step (stepped or skipped): the
+  /// gradient each model parameter was stepped with, by its name: unscaled, averaged, clipped
+  /// where clipping applied, as Python's `p.grad` after `scaler.step(opt)`; under MixedO2 the
+  /// fp32 masters' (the model's own .grad() is none there), sharded this rank's part. An Error
+  /// elsewhere (trainer/step_gradients.hpp).
+  torch::OrderedDict<std::string, StepGradient> gradients() const {
+    return gradients_.read(*model_, *optimizer_, tensors_.masters(), data_parallel_.get());
+  }
+
+  /// Forgets the micro-batches accumulated since the last optimizer step (their gradients and
+  /// losses), as load() does: the next step() starts an optimizer step afresh. The way on where
+  /// an accumulation cannot be finished (a new optimizer assigned in its middle). Returns how
+  /// many were dropped. Data parallel: call it on every rank.
+  std::int64_t drop_accumulation() {
+    check_not_busy("drop_accumulation");
+    const auto dropped = pending_;
+    forget_accumulation();
+    return dropped;
   }
 
   scaler_type& scaler() noexcept { return scaler_; }
@@ -250,11 +276,13 @@ class Trainer : public detail::TrainerCheckpoints<P> {
     report.loss = loss32.detach();
     loss_sum_ = loss_sum_.defined() ? loss_sum_ + report.loss : report.loss;
     ++counters_.micro_batches;
-    if (++pending_ < n) {
+    report.micro_batch = ++pending_;
+    if (pending_ < n) {
       report.step = counters_.steps;
-      notify(report);  // on_step may read the partial sums; the optimizer may not
+      // Held before on_step: an optimizer.zero_grad() or step() there finds no partial sum.
       tensors_.hold_grads(*optimizer_);
       hold_again.dismiss();
+      notify(report);
       return report;
     }
     hold_again.dismiss();  // from here on an exception leaves the gradients to the next step
@@ -305,11 +333,16 @@ class Trainer : public detail::TrainerCheckpoints<P> {
     report.status = stepped ? StepStatus::stepped : StepStatus::skipped;
     report.step = counters_.steps;
     {
-      // The step is taken: an on_step that throws (a failed metrics push, a log that cannot be
-      // written) leaves no gradient for a second update, nor the schedule a step behind.
+      // on_step reads the gradients the step used (gradients()); a model tensor stepped through
+      // another tensor (a master, a piece) shows none of its own. The step is taken: an on_step
+      // that throws (a failed metrics push, a log that cannot be written) leaves no gradient
+      // for a second update, nor the schedule a step behind.
       detail::OnUnwind finish_anyway([this] { finish_step_quietly(); });
-      notify(report);  // on_step may read the gradients
+      tensors_.clear_stand_in_grads();
+      gradients_.open(*optimizer_, done.grad_divisor);
+      notify(report);
       finish_anyway.dismiss();
+      gradients_.close();
     }
     // None stays for an optimizer.step() of the user's to apply a second time (the habit of
     // Python's `scaler.step(opt); opt.step()`): PyTorch's zero_grad() after the step.
@@ -326,12 +359,20 @@ class Trainer : public detail::TrainerCheckpoints<P> {
   // gradients are forgotten.
   void restart_from(const detail::TrainerCounters& counters) {
     counters_ = counters;
-    pending_ = 0;
-    loss_sum_ = at::Tensor();
+    forget_accumulation();
     last_graph_ = at::Tensor();
     consecutive_skips_ = 0;
     buffers_synced_ = false;
     calls_ = counters_.micro_batches;  // the same on every rank that loaded this checkpoint
+  }
+
+  // The micro-batches since the last optimizer step, dropped: their losses, their gradients
+  // (held or, sharded, in the buckets, which the next first micro-batch overwrites) and fp8's
+  // amaxes. StepReport::micro_batch starts at 1 again: on_step's observers reset with it.
+  void forget_accumulation() {
+    pending_ = 0;
+    loss_sum_ = at::Tensor();
+    fp8_.finish_step(/*stepped=*/false);
     tensors_.clear_grads(*optimizer_);
   }
 
@@ -363,7 +404,9 @@ class Trainer : public detail::TrainerCheckpoints<P> {
     MIXPREC_CHECK(pending_ == 0, "the optimizer's tensors changed in the middle of an "
                   "accumulation (", pending_, " of ", options_.accumulation_steps(),
                   " micro-batches): add param groups or assign a new optimizer between "
-                  "optimizer steps");
+                  "optimizer steps. Nothing was changed: to go on, drop the accumulated "
+                  "micro-batches with trainer.drop_accumulation(), and the next step() adopts "
+                  "the optimizer");
     tensors_.adopt(*model_, *optimizer_);
     if (data_parallel_) tensors_.bind(*data_parallel_, *model_);  // the new masters' averages
   }
@@ -374,6 +417,7 @@ class Trainer : public detail::TrainerCheckpoints<P> {
   // The end of a taken step while on_step's exception unwinds: that exception is the one the
   // caller sees (a bad lr stays the old one, schedule.hpp).
   void finish_step_quietly() noexcept {
+    gradients_.close();
     try {
       tensors_.clear_grads(*optimizer_);
       schedule_.advance(*optimizer_, counters_.steps);
@@ -386,6 +430,7 @@ class Trainer : public detail::TrainerCheckpoints<P> {
   TrainerOptions options_;
   scaler_type scaler_;
   detail::TrainedTensors<P> tensors_;
+  detail::StepGradients gradients_;  // what on_step's gradients() reads, while it runs
   detail::LrSchedule schedule_;  // TrainerOptions::lr_scheduler or lr_lambda; else inactive
   std::unique_ptr<detail::StepGroup> data_parallel_;  // with TrainerOptions::distributed
   // The gradient passes, with the scaler's scale; fp16 gradients in place where the model is

@@ -1,0 +1,35 @@
+# ctest's moved_headers (tests/CMakeLists.txt): builds the translation unit that includes every
+# forwarding header (mixprec_moved_headers) under mixprec's warnings as errors, and checks that
+# each printed a note naming its new path. The TU is touched first, so that every run compiles
+# it and prints the notes.
+#   cmake -DBUILD_DIR=... -DTU=... -DINCLUDE_DIR=... -P moved_headers.cmake
+file(TOUCH ${TU})
+execute_process(COMMAND ${CMAKE_COMMAND} --build ${BUILD_DIR} --target mixprec_moved_headers
+                OUTPUT_VARIABLE _out ERROR_VARIABLE _err RESULT_VARIABLE _rc)
+set(_log "${_out}${_err}")
+if(NOT _rc EQUAL 0)
+  message(FATAL_ERROR "the forwarding headers do not compile under -Werror:\n${_log}")
+endif()
+file(STRINGS ${TU} _includes REGEX "^#include <")
+list(LENGTH _includes _count)
+if(_count EQUAL 0)
+  message(FATAL_ERROR "${TU} includes no forwarding header")
+endif()
+set(_missing)
+foreach(_line IN LISTS _includes)
+  string(REGEX REPLACE "^#include <(.*)>$" "\\1" _old "${_line}")
+  file(STRINGS ${INCLUDE_DIR}/${_old} _target REGEX "^#include <mixprec/")
+  string(REGEX REPLACE "^#include <(.*)>$" "\\1" _new "${_target}")
+  if(NOT EXISTS ${INCLUDE_DIR}/${_new})
+    list(APPEND _missing "${_old} forwards to ${_new}, which does not exist")
+  endif()
+  string(FIND "${_log}" "<${_old}> is now <${_new}>" _at)
+  if(_at EQUAL -1)
+    list(APPEND _missing "no note naming <${_new}> for <${_old}>")
+  endif()
+endforeach()
+if(_missing)
+  string(REPLACE ";" "\n  " _missing "${_missing}")
+  message(FATAL_ERROR "moved headers:\n  ${_missing}\ncompiler output:\n${_log}")
+endif()
+message(STATUS "${_count} forwarding headers compile under -Werror, each with a note naming its new path")
