@@ -180,10 +180,17 @@ void compare(const std::string& kind, const at::Tensor& x, const at::Tensor& y,
   mp::apply_precision_map<P>(model, mp::PrecisionMap().add("head", mp::Precision::low));
   torch::optim::AdamW adam(model->parameters(), torch::optim::AdamWOptions(s.lr));
   std::map<std::string, at::Tensor> grads;
+  mp::Trainer<P>* self = nullptr;
   mp::Trainer<P> trainer(model, adam, mp::TrainerOptions().rounding_seed(s.seed).on_step(
                                           [&](const mp::StepReport&) {
-    for (const auto& item : model->named_parameters()) grads[item.key()] = item.value().grad().clone();
+    // The step's gradients (the masters' where the policy keeps them, unscaled) in the model's
+    // dtype: the values Python's p.grad holds (a bf16 value through fp32 and back is exact).
+    for (const auto& item : self->gradients()) {
+      const auto dtype = model->named_parameters()[item.key()].scalar_type();
+      grads[item.key()] = item.value().value.to(dtype).clone();
+    }
   }));
+  self = &trainer;
   std::vector<std::pair<std::string, mp::nn::Float8LinearImpl*>> layers;
   for (const auto& item : model->named_modules("", false)) {
     auto* layer = item.value()->template as<mp::nn::Float8LinearImpl>();

@@ -792,21 +792,27 @@ TEST_CASE("safetensors: every dtype of the format reads, or names the LibTorch i
   for (const auto& d : mp::detail::file_dtypes()) {
     if (d.safetensors.empty()) continue;
     CAPTURE(d.safetensors);
+    // Two values: F4 packs them into one byte (LibTorch's Float4_e2m1fn_x2, shape [1]).
+    const bool f4 = std::string(d.safetensors) == "F4";
     const auto size = d.type == at::ScalarType::Undefined ? 1 : at::elementSize(d.type);
+    const auto data = f4 ? size : 2 * size;
     const auto header = R"({"t": {"dtype": ")" + std::string(d.safetensors) +
-                        R"(", "shape": [2], "data_offsets": [0, )" + std::to_string(2 * size) + "]}}";
-    const auto bytes = safetensors_bytes(header, std::string(2 * size, '\0'));
+                        R"(", "shape": [2], "data_offsets": [0, )" + std::to_string(data) + "]}}";
+    const auto bytes = safetensors_bytes(header, std::string(data, '\0'));
     if (d.type == at::ScalarType::Undefined) {
       CHECK_THROWS_WITH_AS(parse_st(bytes), doctest::Contains(("needs LibTorch >= " + std::string(d.since)).c_str()),
                            mp::Error);
       ++refused;
       continue;
     }
-    CHECK(parse_st(bytes)["t"].scalar_type() == d.type);
+    const auto t = parse_st(bytes)["t"];
+    CHECK(t.scalar_type() == d.type);
+    CHECK(t.numel() == (f4 ? 1 : 2));
     ++read;
   }
   MESSAGE(read, " safetensors dtypes read, ", refused, " refused with the LibTorch they need");
-  CHECK(read + refused == 18);
+  // Every name kSafetensorsDtypes lists: 11, 7 from LibTorch 2.1, F8_E8M0 and F4 (2.7, 2.8).
+  CHECK(read + refused == 20);
 }
 
 TEST_CASE("safetensors: the files of Python's safetensors.torch.save_file, empty tensors sharing offsets in any order" *

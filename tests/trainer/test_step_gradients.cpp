@@ -218,8 +218,8 @@ double check_gradients(const GradConfig& config, double tol = tolerance<P>(),
       // The model's own .grad() is the step's gradient or none: none where a master was stepped
       // (not its scaled Low stand-in), and where the step divided as it read (the one-pass
       // lean step, clipping or scaling); the same values where the tensor was stepped as is.
-      const auto& param = model->named_parameters()[name];
-      const auto& own = param.grad();
+      const at::Tensor param = model->named_parameters()[name];  // a copy: the dict is a temporary
+      const at::Tensor own = param.grad();
       if (own.defined()) CHECK(test::identical(own.to(got->value.scalar_type()), got->value));
       if (P::master_weights && param.scalar_type() != at::kFloat) CHECK_FALSE(own.defined());
       if (!P::master_weights) CHECK(own.defined());

@@ -239,7 +239,8 @@ class ShardedReader {
     for (const auto& [name, t] : names_.tensors) {
       require("model." + name, t.sizes(), t.scalar_type());
       if (released.count(t.unsafeGetTensorImpl()) == 1) continue;  // its pieces: plan_sharded
-      reads_.push_back({"model." + name, 0, [t] { return t.detach().view({-1}); }, {}});
+      reads_.push_back(
+          {"model." + name, 0, [tensor = t] { return tensor.detach().view({-1}); }, {}});
     }
   }
 

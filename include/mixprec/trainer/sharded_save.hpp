@@ -128,7 +128,7 @@ inline LocalShard local_shard(const CheckpointParts& parts, StepGroup& group,
     for (const auto& [name, t] : names.tensors) {
       if (laid_out.count(t.unsafeGetTensorImpl()) == 1) continue;
       shard.pieces.push_back({"model." + name, t.scalar_type(), t.sizes().vec(), 0, t.numel(),
-                              [t] { return flat(t); }});
+                              [tensor = t] { return flat(tensor); }});
     }
   }
   const auto rank = std::to_string(group.rank());
