@@ -1796,7 +1796,8 @@ void case_zero3_equivalence(Rank& r) {
 // small ones, in buckets small enough that the big ones straddle the ranks and large enough that
 // they share a bucket with the small (their offsets rounded up to a block). Each rank's piece
 // is whole blocks, coded alone: ZeRO-1, 2 and 3 train as unsharded data parallel, bit for bit
-// over 2 ranks; a sharded checkpoint holds the rows an unsharded run saves, and resumes from one.
+// over 2 ranks; a sharded checkpoint's directory holds the rows an unsharded run saves (each
+// rank its pieces' rows), and a sharded run resumes from either.
 struct QNetImpl : torch::nn::Module {
   QNetImpl() {
     in = register_module("in", torch::nn::Linear(16, 256));
@@ -1871,8 +1872,8 @@ std::vector<torch::Tensor> checkpoint_moments(const std::string& path) {
   return result;
 }
 
-// A sharded checkpoint's directory (a plain-moment run's) into a trainer of P at `stage`: an
-// Error that names the block format, the weights as they were.
+// A sharded checkpoint's directory whose moments are in another format into a trainer of P at
+// `stage`: an Error that names the block format, the weights as they were.
 template <class P>
 bool refuses_sharded_checkpoint(Rank& r, int stage, const std::string& dir) {
   auto net = dyadic_qnet(3000 + r.rank);
@@ -1892,14 +1893,15 @@ bool refuses_sharded_checkpoint(Rank& r, int stage, const std::string& dir) {
   return false;
 }
 
-template <class P>
+// `Plain`: P with plain moments (the same policy but for its storage).
+template <class P, class Plain>
 void quantized_equivalence(Rank& r) {
   constexpr int kSteps = 4;
   const auto dir = std::filesystem::path(r.dir);
   for (const bool big : {false, true}) {
     const auto plain = train_quantized<P>(r, 0, big, kSteps, (dir / "q_plain.ckpt").string());
-    for (const int stage : {1, 2, 3}) {
-      const auto saved = (dir / ("q_stage" + std::to_string(stage) + ".ckpt")).string();
+    for (const int stage : {1, 2, 3}) {  // each saves a sharded checkpoint (a directory)
+      const auto saved = (dir / ("q_stage" + std::to_string(stage))).string();
       const auto sharded = train_quantized<P>(r, stage, big, kSteps, saved);
       const auto name = "ZeRO-" + std::to_string(stage) + " " + std::string(P::name) +
                         (big ? " (small and quantized tensors in one bucket)" : "");
@@ -1931,22 +1933,75 @@ void quantized_equivalence(Rank& r) {
                 P::name << ": resumed sharded from an unsharded checkpoint, not bitwise");
     RANK_EXPECT(max_relative(resumed.fp32.back(), unsharded.fp32.back()) <= 1.0 / 128, P::name);
   }
-  // A sharded run saves its rows in the consolidated file: the sharded checkpoint's files have
-  // no place for them. Its directory (a plain-moment run's) is refused at every stage.
-  RANK_EXPECT(std::filesystem::is_regular_file(dir / "q_stage3.ckpt"),
-              P::name << ": a sharded save wrote no consolidated file");
+  // The sharded saves wrote directories. One loads into one process's trainer of plain moments
+  // (rows decoded) as the unsharded run's file does; a sharded trainer reads a directory's
+  // moments only in their own format: a block format's into plain moments, and plain ones
+  // into a block format, are refused at every stage.
+  const auto block_dir = (dir / "q_stage2").string();
+  RANK_EXPECT(std::filesystem::is_directory(block_dir), P::name << ": no sharded checkpoint");
+  const bool decoded = identical(checkpoint_moments<Plain>(block_dir),
+                                 checkpoint_moments<Plain>((dir / "q_plain.ckpt").string()));
+  std::cerr << "rank " << r.rank << " x" << r.world << " " << P::name << ": its ZeRO-2 directory "
+            << "into one process of " << Plain::name << ": moments and masters "
+            << (decoded ? "identical to" : "differ from") << " the unsharded run's file's\n";
+  RANK_EXPECT(decoded || r.world != 2, P::name << ": the directory decoded otherwise");
+  for (const int stage : {1, 3}) {
+    RANK_EXPECT(refuses_sharded_checkpoint<Plain>(r, stage, block_dir),
+                Plain::name << " ZeRO-" << stage << ": a block format's directory not refused");
+  }
   const auto plain_dir = (dir / "q_plain_sharded").string();
-  train_quantized<mp::MixedO2<at::BFloat16>>(r, 1, false, 1, plain_dir);
+  train_quantized<Plain>(r, 1, false, 1, plain_dir);
   RANK_EXPECT(std::filesystem::is_directory(plain_dir), "no sharded checkpoint was written");
-  for (const int stage : {0, 1, 3}) {
+  for (const int stage : {1, 3}) {
     RANK_EXPECT(refuses_sharded_checkpoint<P>(r, stage, plain_dir),
                 P::name << " ZeRO-" << stage << ": a sharded checkpoint not refused");
   }
 }
 
+using QuantizedRemainder = mp::MixedO2<at::BFloat16, mp::RemainderMasters<mp::Moments8bit<>>>;
+using QuantizedRounded = mp::PureHalf<at::BFloat16, mp::StochasticRounding<mp::Moments4bit<>>>;
+
 void case_quantized_equivalence(Rank& r) {
-  quantized_equivalence<mp::MixedO2<at::BFloat16, mp::RemainderMasters<mp::Moments8bit<>>>>(r);
-  quantized_equivalence<mp::PureHalf<at::BFloat16, mp::StochasticRounding<mp::Moments4bit<>>>>(r);
+  quantized_equivalence<QuantizedRemainder, mp::MixedO2<at::BFloat16>>(r);
+  quantized_equivalence<QuantizedRounded, mp::PureHalf<at::BFloat16, mp::StochasticRounding<>>>(r);
+}
+
+// A block format's sharded checkpoint across world sizes: saved by ZeRO-2 on 2 ranks (beside
+// the unsharded run's file, which it equals), loaded by ZeRO-2 on 3 ranks: the step from it
+// is the step from the unsharded run's file, bit for bit, and so is the checkpoint saved after
+// it; against unsharded data parallel on 3 ranks from the same file, within the 3-rank bound.
+template <class P>
+void quantized_reshard(Rank& r, const std::string& tag) {
+  constexpr int kSteps = 4;
+  const auto root = std::filesystem::path(r.dir).parent_path();
+  const auto file = (root / (tag + "_unsharded.ckpt")).string();
+  const auto zero2 = (root / (tag + "_zero2_x2")).string();
+  if (r.world == 2) {
+    train_quantized<P>(r, 0, true, kSteps - 1, file);
+    train_quantized<P>(r, 2, true, kSteps - 1, zero2);
+    RANK_EXPECT(identical(checkpoint_moments<P>(zero2), checkpoint_moments<P>(file)),
+                P::name << ": the 2-rank directory's moments and masters differ from the file's");
+    return;
+  }
+  const auto from_dir = (root / (tag + "_from_dir_x3")).string();
+  const auto from_file = (root / (tag + "_from_file_x3")).string();
+  const auto a = train_quantized<P>(r, 2, true, kSteps, from_dir, zero2);
+  const auto b = train_quantized<P>(r, 2, true, kSteps, from_file, file);
+  const auto unsharded = train_quantized<P>(r, 0, true, kSteps, "", file);
+  const bool same_step = identical(a.fp32.back(), b.fp32.back());
+  const bool same_state = identical(checkpoint_moments<P>(from_dir), checkpoint_moments<P>(from_file));
+  const auto worst = max_relative(a.fp32.back(), unsharded.fp32.back());
+  std::cerr << "rank " << r.rank << " " << P::name << ": ZeRO-2 x3 from the x2 directory vs from "
+            << "the unsharded file: step " << (same_step ? "identical" : "differs") << ", saved "
+            << "state " << (same_state ? "identical" : "differs") << "; vs unsharded x3, max "
+            << "relative difference " << worst << "\n";
+  RANK_EXPECT(same_step && same_state, P::name << ": resumed from the directory otherwise");
+  RANK_EXPECT(worst <= 1.0 / 128, P::name);
+}
+
+void case_quantized_reshard(Rank& r) {
+  quantized_reshard<QuantizedRemainder>(r, "remainder8");
+  quantized_reshard<QuantizedRounded>(r, "rounded4");
 }
 
 // Checkpoints of sharded parameters: `zero3_save` (3 ranks) saves after step 3 and goes on to
@@ -2708,6 +2763,7 @@ const std::map<std::string, std::function<void(Rank&)>>& rank_cases() {
       {"zero_checkpoint_errors", case_zero_checkpoint_errors},
       {"zero3_equivalence", case_zero3_equivalence},
       {"quantized_equivalence", case_quantized_equivalence},
+      {"quantized_reshard", case_quantized_reshard},
       {"zero_gradient", case_zero_gradient},
       {"zero3_save", case_zero3_save},
       {"zero3_kill", case_zero3_kill},
@@ -3116,8 +3172,17 @@ TEST_CASE("distributed, sharded parameters: 2 and 3 ranks train as unsharded dat
   require_passed_on_2_and_3("zero3_equivalence");
 }
 
-TEST_CASE("distributed, sharded: Adam's moments in block formats, ZeRO-1, 2 and 3 train as unsharded data parallel and save its rows in the consolidated file, a sharded checkpoint refused (2 ranks bitwise, 3 ranks)") {
+TEST_CASE("distributed, sharded: Adam's moments in block formats, ZeRO-1, 2 and 3 train as unsharded data parallel and save its rows in sharded checkpoints, another format's directory refused (2 ranks bitwise, 3 ranks)") {
   require_passed_on_2_and_3("quantized_equivalence");
+}
+
+TEST_CASE("distributed, sharded: Adam's moments in block formats, a ZeRO-2 checkpoint saved on 2 ranks resumes on 3 as the unsharded run's file, bitwise") {
+  const auto root = fresh_dir("quantized_reshard");
+  for (const int world : {2, 3}) {
+    CAPTURE(world);
+    require_all_passed(run_ranks("quantized_reshard", world, std::chrono::seconds(240),
+                                 root / ("x" + std::to_string(world))));
+  }
 }
 
 TEST_CASE("distributed, sharded: a parameter whose gradient is zero in exact arithmetic moves by Adam's steps, not by rounding (3 ranks)") {

@@ -154,6 +154,33 @@ inline void recode_moments(torch::optim::Optimizer& optimizer, MomentCoding from
   }
 }
 
+/// Whether an optimizer state tensor is Adam's moment in a block format: uint8 rows, one per
+/// block, as above), not a tensor shaped as its parameter.
+inline bool is_moment_rows(const at::Tensor& field) {
+  return field.scalar_type() == at::kByte && field.dim() == 2;
+}
+
+/// Where a piece's rows sit in its whole tensor's: the checkpoint tensor of a moment in a block
+/// format is the rows of the whole tensor ([whole / block, row bytes], uint8), and a rank's
+/// piece of `count` elements from element `from` (whole blocks: the layout rounds them) is a
+/// range of its bytes.
+struct RowsPiece {
+  std::vector<std::int64_t> shape;
+  std::int64_t from = 0;
+  std::int64_t count = 0;
+};
+inline RowsPiece moment_rows_piece(const at::Tensor& rows, std::int64_t whole, std::int64_t from,
+                                   std::int64_t count, const std::string& name) {
+  const auto block = rows.size(0) > 0 ? count / rows.size(0) : 0;
+  MIXPREC_CHECK(block > 0 && rows.size(0) * block == count && from % block == 0 &&
+                    whole % block == 0,
+                "cannot save '", name, "': its rows ", rows.sizes(), " are no whole blocks of "
+                "the piece of ", count, " elements from ", from, " of a tensor of ", whole,
+                " (was the state loaded for another layout?)");
+  const auto width = rows.size(1);
+  return {{whole / block, width}, from / block * width, rows.numel()};
+}
+
 /// What the quantized step updates in place of one optimizer tensor.
 struct QuantizedTarget {
   std::optional<LeanTarget> lean;  ///< a lean master's bf16 weight and what is kept of it

@@ -79,14 +79,11 @@ class TrainerCheckpoints {
   /// checkpoint (docs/distributed.md, "Sharded checkpoints"): each rank writes the pieces it
   /// holds into a file of its own, piece by piece, rank 0 the index last; complete and verified,
   /// or the previous checkpoint stays. load() takes it at any world size, sharded or not.
-  /// With Adam's moments in a block format (Moments8bit, ...) a sharded run writes the
-  /// consolidated file instead, every rank's rows gathered; a trainer of such a policy refuses
-  /// to load a sharded checkpoint (an Error before anything changes).
+  /// With Adam's moments in a block format (Moments8bit, ...) each rank writes the rows of its
+  /// pieces (whole blocks), and the checkpoint holds each moment as its whole tensor's rows.
   void save(const std::string& path, const UserValues& user = {}) const {
     check_saveable(user);
-    // Block-format moments: their pieces are rows, which the sharded checkpoint's files do not
-    // describe; such a run writes the consolidated file (the rows gathered, gather_rows).
-    if (self().tensors_.sharded() && !quantized_moments<P>) return save_sharded_checkpoint(path, user);
+    if (self().tensors_.sharded()) return save_sharded_checkpoint(path, user);
     const WholeState whole(self().data_parallel_.get());
     const auto rngs = gather_rngs(self().data_parallel_.get());
     const auto view = consolidated(/*values=*/true, /*state=*/true);
@@ -107,7 +104,9 @@ class TrainerCheckpoints {
   /// A directory is a sharded checkpoint (written by a sharded run's save() at any world size):
   /// each rank reads only the ranges it holds, after every file was checked (sizes, headers, and
   /// the checksums, shared out over the ranks); a missing, damaged or foreign file is an Error
-  /// that names it, and nothing is loaded.
+  /// that names it, and nothing is loaded. Its moments load into a sharded Trainer only in the
+  /// format they were saved in (plain, or the same block format); an unsharded Trainer with
+  /// master weights converts them, as from a checkpoint file.
   UserValues load(const std::string& path) {
     if (sharded_at(path)) return load_sharded_checkpoint(path);
     return load_with(path, [&](auto& commit) {
@@ -280,15 +279,14 @@ class TrainerCheckpoints {
   UserValues load_sharded_checkpoint(const std::string& dir) {
     auto& t = self();
     t.check_not_busy("load");
-    MIXPREC_CHECK(!quantized_moments<P>, "load('", dir, "'): a sharded checkpoint (a directory) "
-                  "into a trainer whose Adam moments are in a block format (",
-                  moment_coding_name(moment_coding_of<P>), "): its files hold plain moments, "
-                  "which this load does not code; load a checkpoint file (save() of an unsharded "
-                  "run, or of a run with block-format moments); nothing was loaded");
     t.adopt_optimizer_changes();
     return voted_load(t.data_parallel_.get(), dir, [&](auto& commit) {
       return checked_or_error(dir, [&] {
-        ShardedReader reader(dir, parts(std::nullopt), t.tensors_.masters(), narrow_moments_of<P>);
+        // Sharded, the pieces are read as they are: the directory's moments must be in this
+        // Trainer's format. Unsharded, LeanLoad converts them (with master weights).
+        const bool recodes = !t.tensors_.sharded() && t.tensors_.masters() != nullptr;
+        ShardedReader reader(dir, parts(std::nullopt), t.tensors_.masters(), narrow_moments_of<P>,
+                             moment_coding_of<P>, recodes);
         auto small = read_small(reader.state(), dir, reader.scaler_state(), /*recipe_recorded=*/true);
         auto user = read_user_values(reader.state(), dir);
         commit();  // every rank has read and checked all of it
@@ -297,7 +295,7 @@ class TrainerCheckpoints {
         } else {
           LeanLoad<P> lean(t.tensors_.masters(), *t.optimizer_);
           reader.apply();
-          lean.loaded();
+          lean.loaded(reader.moments());
         }
         apply_small(small, reader.counters());
         return user;
