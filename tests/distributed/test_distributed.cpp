@@ -1950,12 +1950,22 @@ void quantized_equivalence(Rank& r) {
                 Plain::name << " ZeRO-" << stage << ": a block format's directory not refused");
   }
   const auto plain_dir = (dir / "q_plain_sharded").string();
+  const auto plain_file = (dir / "q_plain_unsharded.ckpt").string();
   train_quantized<Plain>(r, 1, false, 1, plain_dir);
+  train_quantized<Plain>(r, 0, false, 1, plain_file);
   RANK_EXPECT(std::filesystem::is_directory(plain_dir), "no sharded checkpoint was written");
   for (const int stage : {1, 3}) {
     RANK_EXPECT(refuses_sharded_checkpoint<P>(r, stage, plain_dir),
                 P::name << " ZeRO-" << stage << ": a sharded checkpoint not refused");
   }
+  // One process of P codes the plain directory's moments as it codes the plain file's.
+  const auto coded = checkpoint_moments<P>(plain_dir);
+  const bool as_file = identical(coded, checkpoint_moments<P>(plain_file));
+  std::cerr << "rank " << r.rank << " x" << r.world << " " << Plain::name << "'s ZeRO-1 directory "
+            << "into one process of " << P::name << ": moments and masters "
+            << (as_file ? "identical to" : "differ from") << " its unsharded file's\n";
+  RANK_EXPECT(coded.front().scalar_type() == torch::kByte, P::name << ": no rows coded");
+  RANK_EXPECT(as_file || r.world != 2, P::name << ": the plain directory coded otherwise");
 }
 
 using QuantizedRemainder = mp::MixedO2<at::BFloat16, mp::RemainderMasters<mp::Moments8bit<>>>;
