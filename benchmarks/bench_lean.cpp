@@ -102,6 +102,23 @@ int main(int argc, char** argv) {
         [&] {
           return make_run<mp::PureHalf<at::BFloat16, mp::StochasticRounding<>>>(
               "PureHalf + StochasticRounding<BFloat16>, one pass", width, layers, true);
+        },
+        // Block formats (torchao's low-bit states): stepped in one pass whatever fused says.
+        [&] {
+          return make_run<mp::MixedO2<at::BFloat16, mp::RemainderMasters<mp::Moments8bit<>>>>(
+              "RemainderMasters<Moments8bit>", width, layers, true);
+        },
+        [&] {
+          return make_run<mp::PureHalf<at::BFloat16, mp::StochasticRounding<mp::Moments8bit<>>>>(
+              "PureHalf + StochasticRounding<Moments8bit>", width, layers, true);
+        },
+        [&] {
+          return make_run<mp::PureHalf<at::BFloat16, mp::StochasticRounding<mp::Moments4bit<>>>>(
+              "PureHalf + StochasticRounding<Moments4bit>", width, layers, true);
+        },
+        [&] {
+          return make_run<mp::PureHalf<at::BFloat16, mp::StochasticRounding<mp::MomentsFp8<>>>>(
+              "PureHalf + StochasticRounding<MomentsFp8>", width, layers, true);
         }};
     return makers;
   };
@@ -110,7 +127,9 @@ int main(int argc, char** argv) {
   std::printf("## bench_lean: the lean training state's bytes and step time\n\n"
               "An MLP of %d Linear(%lld, %lld) layers and a LayerNorm, one row per batch, AdamW "
               "(%s; *one pass*: fused_optimizer under a lean storage, mixprec's one-pass step, "
-              "optim/lean_adam.hpp), one thread. %s\n",
+              "optim/lean_adam.hpp; the block formats Moments8bit, Moments4bit, MomentsFp8 are "
+              "always stepped so, in torchao's arithmetic: optim/quantized_adam.hpp), one "
+              "thread. %s\n",
               layers, static_cast<long long>(width), static_cast<long long>(width),
               mp::fused_adam_available ? "ATen's fused step, but for the unfused row"
                                        : "LibTorch's step",

@@ -4,6 +4,9 @@
 /// sharded data parallel.
 
 #include <mixprec/optim/master_weights.hpp>
+#include <mixprec/optim/block_quantize.hpp>
+#include <mixprec/optim/quantized_adam.hpp>
+#include <mixprec/optim/quantized_moments.hpp>
 #include <mixprec/optim/fused_adam.hpp>
 #include <mixprec/optim/lean_adam.hpp>
 #include <mixprec/optim/lean_adam_step.hpp>

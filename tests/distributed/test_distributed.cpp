@@ -1794,6 +1794,228 @@ void case_zero3_equivalence(Rank& r) {
       r, 1, std::nullopt, 1e-6, /*checkpointing=*/true, false, /*fused=*/true, /*built_low=*/true);
 }
 
+// Adam's moments in a block format, sharded: tensors of 4096 and 8192 elements (quantized) beside
+// small ones, in buckets small enough that the big ones straddle the ranks and large enough that
+// they share a bucket with the small (their offsets rounded up to a block). Each rank's piece
+// is whole blocks, coded alone: ZeRO-1, 2 and 3 train as unsharded data parallel, bit for bit
+// over 2 ranks; a sharded checkpoint's directory holds the rows an unsharded run saves (each
+// rank its pieces' rows), and a sharded run resumes from either.
+struct QNetImpl : torch::nn::Module {
+  QNetImpl() {
+    in = register_module("in", torch::nn::Linear(16, 256));
+    h = register_module("h", mp::nn::Mappable<torch::nn::Linear>(256, 32));
+    out = register_module("out", mp::nn::Mappable<torch::nn::Linear>(32, 4));
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    return out->forward(torch::relu(h->forward(torch::relu(in->forward(x)))));
+  }
+  torch::nn::Linear in{nullptr};
+  mp::nn::Mappable<torch::nn::Linear> h{nullptr}, out{nullptr};
+};
+TORCH_MODULE(QNet);
+
+QNet dyadic_qnet(std::uint64_t seed) {
+  torch::manual_seed(static_cast<std::int64_t>(seed));
+  QNet net;
+  auto gen = at::detail::createCPUGenerator(seed);
+  torch::NoGradGuard no_grad;
+  for (auto& p : net->parameters()) p.copy_(torch::randint(-1, 2, p.sizes(), gen, torch::kFloat) / 4.0);
+  return net;
+}
+
+struct QuantizedRun {
+  std::vector<std::vector<torch::Tensor>> fp32;  // fp32_state_dict() after each step
+};
+
+// `stage` 0 (unsharded data parallel) to 3; `big_buckets`: caps that put small and quantized
+// tensors in one bucket. `save`: the checkpoint written after the last step; `resume`: loaded
+// before the last step instead of training the ones before.
+template <class P>
+QuantizedRun train_quantized(Rank& r, int stage, bool big_buckets, int steps,
+                             const std::string& save = "", const std::string& resume = "") {
+  auto net = dyadic_qnet(3000 + r.rank);  // rank 0's values reach every rank
+  torch::optim::AdamW optimizer(net->parameters(), torch::optim::AdamWOptions(1.0 / 32).weight_decay(0.0625));
+  auto distributed = zero_options(r, std::min(stage, 2));
+  if (big_buckets) distributed.first_bucket_cap_mb(0.02).bucket_cap_mb(0.05);
+  if (stage == 3) distributed.shard_parameters({"h", "out"});
+  mp::Trainer<P> trainer(net, optimizer, mp::TrainerOptions().max_grad_norm(0.5).distributed(distributed));
+  const auto data = batches(steps, 4 * r.world, /*inf_step=*/-1);
+  QuantizedRun run;
+  for (int k = 0; k < steps; ++k) {
+    if (!resume.empty() && k + 1 < steps) continue;
+    if (!resume.empty()) trainer.load(resume);
+    const auto x = data[static_cast<std::size_t>(k)].x.narrow(0, 4 * r.rank, 4).repeat({1, 2});
+    const auto y = data[static_cast<std::size_t>(k)].y.narrow(0, 4 * r.rank, 4);
+    trainer.step([&] { return (net->forward(trainer.cast_input(x)).to(torch::kFloat) - y).pow(2).mean(); });
+    run.fp32.push_back(values_of(trainer.fp32_state_dict()));
+  }
+  if (!save.empty()) trainer.save(save);
+  return run;
+}
+
+// The moments a checkpoint holds, loaded into one process's trainer of P.
+template <class P>
+std::vector<torch::Tensor> checkpoint_moments(const std::string& path) {
+  auto net = dyadic_qnet(1);
+  torch::optim::AdamW optimizer(net->parameters(), torch::optim::AdamWOptions(1.0 / 32));
+  mp::Trainer<P> trainer(net, optimizer);
+  trainer.load(path);
+  std::vector<torch::Tensor> result;
+  for (const auto& group : optimizer.param_groups()) {
+    for (const auto& p : group.params()) {
+      auto& states = optimizer.state();
+      const auto& s = static_cast<torch::optim::AdamWParamState&>(
+          *states.at(mp::detail::state_key<std::decay_t<decltype(states)>>(p)));
+      result.push_back(s.exp_avg());
+      result.push_back(s.exp_avg_sq());
+    }
+  }
+  for (const auto& m : trainer.master_weights()) result.push_back(m);
+  return result;
+}
+
+// A sharded checkpoint's directory whose moments are in another format into a trainer of P at
+// `stage`: an Error that names the block format, the weights as they were.
+template <class P>
+bool refuses_sharded_checkpoint(Rank& r, int stage, const std::string& dir) {
+  auto net = dyadic_qnet(3000 + r.rank);
+  torch::optim::AdamW optimizer(net->parameters(), torch::optim::AdamWOptions(1.0 / 32).weight_decay(0.0625));
+  auto distributed = zero_options(r, std::min(stage, 2));
+  if (stage == 3) distributed.shard_parameters({"h", "out"});
+  mp::Trainer<P> trainer(net, optimizer, mp::TrainerOptions().distributed(distributed));
+  const auto before = values_of(trainer.fp32_state_dict());
+  try {
+    trainer.load(dir);
+  } catch (const mp::Error& e) {
+    const std::string what = e.what();
+    return what.find("block format") != std::string::npos &&
+           what.find("nothing was loaded") != std::string::npos &&
+           identical(values_of(trainer.fp32_state_dict()), before);
+  }
+  return false;
+}
+
+// `Plain`: P with plain moments (the same policy but for its storage).
+template <class P, class Plain>
+void quantized_equivalence(Rank& r) {
+  constexpr int kSteps = 4;
+  const auto dir = std::filesystem::path(r.dir);
+  for (const bool big : {false, true}) {
+    const auto plain = train_quantized<P>(r, 0, big, kSteps, (dir / "q_plain.ckpt").string());
+    for (const int stage : {1, 2, 3}) {  // each saves a sharded checkpoint (a directory)
+      const auto saved = (dir / ("q_stage" + std::to_string(stage))).string();
+      const auto sharded = train_quantized<P>(r, stage, big, kSteps, saved);
+      const auto name = "ZeRO-" + std::to_string(stage) + " " + std::string(P::name) +
+                        (big ? " (small and quantized tensors in one bucket)" : "");
+      double worst = 0;
+      std::size_t exact = 0;
+      for (std::size_t k = 0; k < plain.fp32.size(); ++k) {
+        worst = std::max(worst, max_relative(sharded.fp32[k], plain.fp32[k]));
+        exact += identical(sharded.fp32[k], plain.fp32[k]) ? 1 : 0;
+      }
+      // Every rank has written its part of both files (save() returns once rank 0 wrote).
+      const bool same_file = identical(checkpoint_moments<P>(saved),
+                                       checkpoint_moments<P>((dir / "q_plain.ckpt").string()));
+      std::cerr << "rank " << r.rank << " x" << r.world << " " << name << ": vs unsharded, max "
+                << "relative difference " << worst << " in the fp32 weights, " << exact << " of "
+                << kSteps << " steps bitwise; checkpoint's moments and masters "
+                << (same_file ? "identical" : "differ") << "\n";
+      RANK_EXPECT(same_on_every_rank(r, sharded.fp32.back()), name << ": ranks differ");
+      if (r.world == 2) {
+        RANK_EXPECT(exact == kSteps && same_file, name << ": not bitwise");
+      } else {  // 3 ranks: sums grouped otherwise can move a code by one step
+        RANK_EXPECT(worst <= 1.0 / 128, name);
+      }
+    }
+    // A sharded run resumed from the unsharded run's checkpoint (its rows sliced to pieces)
+    // takes the last step as the unsharded run took it.
+    const auto resumed = train_quantized<P>(r, 2, big, kSteps, "", (dir / "q_plain.ckpt").string());
+    const auto unsharded = train_quantized<P>(r, 0, big, kSteps, "", (dir / "q_plain.ckpt").string());
+    RANK_EXPECT(identical(resumed.fp32.back(), unsharded.fp32.back()) || r.world != 2,
+                P::name << ": resumed sharded from an unsharded checkpoint, not bitwise");
+    RANK_EXPECT(max_relative(resumed.fp32.back(), unsharded.fp32.back()) <= 1.0 / 128, P::name);
+  }
+  // The sharded saves wrote directories. One loads into one process's trainer of plain moments
+  // (rows decoded) as the unsharded run's file does; a sharded trainer reads a directory's
+  // moments only in their own format: a block format's into plain moments, and plain ones
+  // into a block format, are refused at every stage.
+  const auto block_dir = (dir / "q_stage2").string();
+  RANK_EXPECT(std::filesystem::is_directory(block_dir), P::name << ": no sharded checkpoint");
+  const bool decoded = identical(checkpoint_moments<Plain>(block_dir),
+                                 checkpoint_moments<Plain>((dir / "q_plain.ckpt").string()));
+  std::cerr << "rank " << r.rank << " x" << r.world << " " << P::name << ": its ZeRO-2 directory "
+            << "into one process of " << Plain::name << ": moments and masters "
+            << (decoded ? "identical to" : "differ from") << " the unsharded run's file's\n";
+  RANK_EXPECT(decoded || r.world != 2, P::name << ": the directory decoded otherwise");
+  for (const int stage : {1, 3}) {
+    RANK_EXPECT(refuses_sharded_checkpoint<Plain>(r, stage, block_dir),
+                Plain::name << " ZeRO-" << stage << ": a block format's directory not refused");
+  }
+  const auto plain_dir = (dir / "q_plain_sharded").string();
+  const auto plain_file = (dir / "q_plain_unsharded.ckpt").string();
+  train_quantized<Plain>(r, 1, false, 1, plain_dir);
+  train_quantized<Plain>(r, 0, false, 1, plain_file);
+  RANK_EXPECT(std::filesystem::is_directory(plain_dir), "no sharded checkpoint was written");
+  for (const int stage : {1, 3}) {
+    RANK_EXPECT(refuses_sharded_checkpoint<P>(r, stage, plain_dir),
+                P::name << " ZeRO-" << stage << ": a sharded checkpoint not refused");
+  }
+  // One process of P codes the plain directory's moments as it codes the plain file's.
+  const auto coded = checkpoint_moments<P>(plain_dir);
+  const bool as_file = identical(coded, checkpoint_moments<P>(plain_file));
+  std::cerr << "rank " << r.rank << " x" << r.world << " " << Plain::name << "'s ZeRO-1 directory "
+            << "into one process of " << P::name << ": moments and masters "
+            << (as_file ? "identical to" : "differ from") << " its unsharded file's\n";
+  RANK_EXPECT(coded.front().scalar_type() == torch::kByte, P::name << ": no rows coded");
+  RANK_EXPECT(as_file || r.world != 2, P::name << ": the plain directory coded otherwise");
+}
+
+using QuantizedRemainder = mp::MixedO2<at::BFloat16, mp::RemainderMasters<mp::Moments8bit<>>>;
+using QuantizedRounded = mp::PureHalf<at::BFloat16, mp::StochasticRounding<mp::Moments4bit<>>>;
+
+void case_quantized_equivalence(Rank& r) {
+  quantized_equivalence<QuantizedRemainder, mp::MixedO2<at::BFloat16>>(r);
+  quantized_equivalence<QuantizedRounded, mp::PureHalf<at::BFloat16, mp::StochasticRounding<>>>(r);
+}
+
+// A block format's sharded checkpoint across world sizes: saved by ZeRO-2 on 2 ranks (beside
+// the unsharded run's file, which it equals), loaded by ZeRO-2 on 3 ranks: the step from it
+// is the step from the unsharded run's file, bit for bit, and so is the checkpoint saved after
+// it; against unsharded data parallel on 3 ranks from the same file, within the 3-rank bound.
+template <class P>
+void quantized_reshard(Rank& r, const std::string& tag) {
+  constexpr int kSteps = 4;
+  const auto root = std::filesystem::path(r.dir).parent_path();
+  const auto file = (root / (tag + "_unsharded.ckpt")).string();
+  const auto zero2 = (root / (tag + "_zero2_x2")).string();
+  if (r.world == 2) {
+    train_quantized<P>(r, 0, true, kSteps - 1, file);
+    train_quantized<P>(r, 2, true, kSteps - 1, zero2);
+    RANK_EXPECT(identical(checkpoint_moments<P>(zero2), checkpoint_moments<P>(file)),
+                P::name << ": the 2-rank directory's moments and masters differ from the file's");
+    return;
+  }
+  const auto from_dir = (root / (tag + "_from_dir_x3")).string();
+  const auto from_file = (root / (tag + "_from_file_x3")).string();
+  const auto a = train_quantized<P>(r, 2, true, kSteps, from_dir, zero2);
+  const auto b = train_quantized<P>(r, 2, true, kSteps, from_file, file);
+  const auto unsharded = train_quantized<P>(r, 0, true, kSteps, "", file);
+  const bool same_step = identical(a.fp32.back(), b.fp32.back());
+  const bool same_state = identical(checkpoint_moments<P>(from_dir), checkpoint_moments<P>(from_file));
+  const auto worst = max_relative(a.fp32.back(), unsharded.fp32.back());
+  std::cerr << "rank " << r.rank << " " << P::name << ": ZeRO-2 x3 from the x2 directory vs from "
+            << "the unsharded file: step " << (same_step ? "identical" : "differs") << ", saved "
+            << "state " << (same_state ? "identical" : "differs") << "; vs unsharded x3, max "
+            << "relative difference " << worst << "\n";
+  RANK_EXPECT(same_step && same_state, P::name << ": resumed from the directory otherwise");
+  RANK_EXPECT(worst <= 1.0 / 128, P::name);
+}
+
+void case_quantized_reshard(Rank& r) {
+  quantized_reshard<QuantizedRemainder>(r, "remainder8");
+  quantized_reshard<QuantizedRounded>(r, "rounded4");
+}
+
 // Checkpoints of sharded parameters: `zero3_save` (3 ranks) saves after step 3 and goes on to
 // step 6; `zero3_resume` loads it at any world size and trains steps 3..5 on the same global
 // batches, `zero3_resume_unsharded` as unsharded data parallel. Each writes its final fp32
@@ -2665,6 +2887,8 @@ const std::map<std::string, std::function<void(Rank&)>>& rank_cases() {
       {"lean_resume_unsharded", case_lean_resume_unsharded},
       {"zero_checkpoint_errors", case_zero_checkpoint_errors},
       {"zero3_equivalence", case_zero3_equivalence},
+      {"quantized_equivalence", case_quantized_equivalence},
+      {"quantized_reshard", case_quantized_reshard},
       {"zero_gradient", case_zero_gradient},
       {"zero3_save", case_zero3_save},
       {"zero3_kill", case_zero3_kill},
@@ -3075,6 +3299,19 @@ TEST_CASE("distributed, sharded: 2 and 3 ranks train as the unsharded run (ZeRO-
 
 TEST_CASE("distributed, sharded parameters: 2 and 3 ranks train as unsharded data parallel (FullPrecision, MixedO2, MixedO1; accumulation, clipping, skips, checkpointing)") {
   require_passed_on_2_and_3("zero3_equivalence");
+}
+
+TEST_CASE("distributed, sharded: Adam's moments in block formats, ZeRO-1, 2 and 3 train as unsharded data parallel and save its rows in sharded checkpoints, another format's directory refused (2 ranks bitwise, 3 ranks)") {
+  require_passed_on_2_and_3("quantized_equivalence");
+}
+
+TEST_CASE("distributed, sharded: Adam's moments in block formats, a ZeRO-2 checkpoint saved on 2 ranks resumes on 3 as the unsharded run's file, bitwise") {
+  const auto root = fresh_dir("quantized_reshard");
+  for (const int world : {2, 3}) {
+    CAPTURE(world);
+    require_all_passed(run_ranks("quantized_reshard", world, std::chrono::seconds(240),
+                                 root / ("x" + std::to_string(world))));
+  }
 }
 
 TEST_CASE("distributed, sharded: a parameter whose gradient is zero in exact arithmetic moves by Adam's steps, not by rounding (3 ranks)") {

@@ -10,6 +10,13 @@
 // ZeRO-2 reduce-scatters each bucket into this rank's slice (slice_of says where each piece's
 // gradient lands); ZeRO-3 lays out one range per unit (a wrapped module), and gathers and frees a
 // unit's range around its forward and backward.
+//
+// Under a block format of Adam's moments (Moments8bit, ...: optim/block_quantize.hpp), a tensor
+// torchao would quantize starts at a multiple of the block in its bucket, and the bucket's
+// slices are whole blocks: each rank's piece of it is whole blocks of the tensor, which it codes
+// alone, as the unsharded run codes them. The gaps are zeros in the buckets' buffers.
+
+#include <mixprec/optim/block_quantize.hpp>
 
 #include <ATen/ATen.h>
 
@@ -49,6 +56,8 @@ struct Bucket {
   std::int64_t numel = 0;
   std::int64_t padded = 0;  // numel; sliced: rounded up to world * chunk
   std::int64_t chunk = 0;   // sliced: each rank's slice
+  std::int64_t block = 1;   // what its slices must be a multiple of (a block format's block)
+  bool gaps = false;        // a slot starts past the end of the one before (block-aligned)
 };
 
 /// The buckets [first, last) that one lay_out call appended.
@@ -76,9 +85,11 @@ class BucketLayout {
 
   /// Slots for `params` (their `holders` receive the averages when not sliced), in new buckets
   /// after the existing ones; reverse order: the backward pass produces the last layers'
-  /// gradients first.
+  /// gradients first. `block`: a block format's, whose quantized tensors start at a multiple of
+  /// it (0: none).
   BucketRange lay_out(const std::vector<at::Tensor>& params,
-                      const std::vector<at::Tensor>& holders, const BucketCaps& caps) {
+                      const std::vector<at::Tensor>& holders, const BucketCaps& caps,
+                      std::int64_t block = 0) {
     const auto element = static_cast<double>(caps.element);
     double limit = buckets_.empty() ? caps.first_bytes : caps.bytes;
     double bytes = 0;
@@ -91,21 +102,29 @@ class BucketLayout {
         bytes = 0;
       }
       auto& bucket = buckets_.back();
-      slots_.push_back({params[k], holders[k], buckets_.size() - 1, bucket.numel});
+      auto offset = bucket.numel;
+      if (quantizes(params[k].numel(), block)) {
+        offset = (offset + block - 1) / block * block;
+        bucket.gaps = bucket.gaps || offset != bucket.numel;
+        bucket.block = block;
+      }
+      slots_.push_back({params[k], holders[k], buckets_.size() - 1, offset});
       slot_of_[params[k].unsafeGetTensorImpl()] = slots_.size() - 1;
       bucket.slots.push_back(slots_.size() - 1);
-      bucket.numel += params[k].numel();
+      bucket.numel = offset + params[k].numel();
       bytes += size;
     }
     for (auto b = range.first; b < buckets_.size(); ++b) buckets_[b].padded = buckets_[b].numel;
     return {range.first, buckets_.size()};
   }
 
-  /// Splits each bucket of `range` into `world` equal slices (the last padded).
+  /// Splits each bucket of `range` into `world` equal slices (the last padded), each whole
+  /// blocks where the bucket holds a quantized tensor.
   void slice(const BucketRange& range, int world) {
     for (auto b = range.first; b < range.last; ++b) {
       auto& bucket = buckets_[b];
-      bucket.chunk = (bucket.numel + world - 1) / world;
+      const auto chunk = (bucket.numel + world - 1) / world;
+      bucket.chunk = (chunk + bucket.block - 1) / bucket.block * bucket.block;
       bucket.padded = bucket.chunk * world;
     }
   }

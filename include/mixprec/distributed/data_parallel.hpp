@@ -147,6 +147,9 @@ class DataParallel final : public detail::StepGroup {
     out = std::move(*target);
     return true;
   }
+  std::int64_t whole_numel(const at::Tensor& piece) const override {
+    return shards_.whole_numel(piece);
+  }
   void inflate_pieces() override { shards_.inflate_pieces(); }
   void release_pieces(bool narrow) override { shards_.release_pieces(narrow); }
   void stow_loaded_pieces() override { shards_.stow_loaded_pieces(); }

@@ -91,11 +91,12 @@ class GradientReducer {
 
   /// Lays out `params` after the existing buckets and allocates every bucket's buffer in the
   /// reduced dtype, on their device.
-  /// `allocate` false: the caller lays out more and allocates once (allocate_flats).
+  /// `allocate` false: the caller lays out more and allocates once (allocate_flats). `block`:
+  /// a block format's (BucketLayout::lay_out).
   BucketRange lay_out(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& holders,
-                      bool allocate = true) {
+                      bool allocate = true, std::int64_t block = 0) {
     auto& s = *state_;
-    const auto range = s.layout.lay_out(params, holders, caps_);
+    const auto range = s.layout.lay_out(params, holders, caps_, block);
     if (allocate) {
       allocate_flats(at::TensorOptions(s.reduce_dtype)
                          .device(params.empty() ? s.comm.device() : params.front().device()));

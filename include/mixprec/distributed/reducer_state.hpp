@@ -60,13 +60,18 @@ struct ReducerState {
   bool twice = false;  // a gradient arrived again after its slot was copied
   bool overlap = true;
 
-  // The bucket's full-size buffer; sharded gradients make it on first use (the padding zeros).
+  // The bucket's full-size buffer; sharded gradients make it on first use (the padding zeros,
+  // and the gaps between block-aligned slots).
   at::Tensor& flat_of(std::size_t b) {
     auto& flat = bucket_steps[b].flat;
     if (!flat.defined()) {
       const auto& bucket = layout.buckets()[b];
-      flat = at::empty({bucket.padded}, flat_options);
-      flat.narrow(0, bucket.numel, bucket.padded - bucket.numel).zero_();
+      if (bucket.gaps) {
+        flat = at::zeros({bucket.padded}, flat_options);
+      } else {
+        flat = at::empty({bucket.padded}, flat_options);
+        flat.narrow(0, bucket.numel, bucket.padded - bucket.numel).zero_();
+      }
     }
     return flat;
   }

@@ -3,10 +3,12 @@
 // read into: every laid-out tensor's full fp32 value, every rank's optimizer state gathered into
 // an optimizer over full tensors (as an unsharded run would save it), and the inverse, each
 // rank taking its slices back. Per slot through the layout, so that a ZeRO-2/3 layout saves and
-// loads the same files.
+// loads the same files. Moments in a block format move as their rows: a piece's rows are the
+// rows of its blocks in the whole tensor (the layout puts its slices on block boundaries).
 
 #include <mixprec/distributed/sharded_optimizer.hpp>
 #include <mixprec/distributed/step_group.hpp>
+#include <mixprec/optim/block_quantize.hpp>
 #include <mixprec/optim/sharded_state.hpp>
 
 #include <ATen/ATen.h>
@@ -35,6 +37,31 @@ inline std::vector<std::vector<at::Tensor>> gather_values(const ShardedOptimizer
     }
   }
   return result;
+}
+
+/// Whether slot `i`'s moments are rows of `coding`'s block format (its whole tensor quantized).
+inline bool rows_of(const Slot& slot, MomentCoding coding) {
+  return coding.quantized() && quantizes(slot.param.numel(), coding.block);
+}
+
+/// The rows of a bucket's slots whose moments are rows, from every rank's pieces, in the
+/// bucket's order of blocks: rank r fills the blocks of its slice. Collective.
+template <class Part>
+at::Tensor gather_rows(const ShardedOptimizer& shards, const Bucket& bucket, MomentCoding coding,
+                       Part&& part) {
+  const auto& layout = shards.layout();
+  const auto& comm = shards.comm();
+  const auto width = row_bytes(coding.format, coding.block);
+  auto mine = at::zeros({bucket.chunk / coding.block, width},
+                        at::TensorOptions(at::kByte).device(comm.device()));
+  for (const auto i : bucket.slots) {
+    const auto& slot = layout.slots()[i];
+    if (!slot.piece.defined() || !rows_of(slot, coding)) continue;
+    const auto value = part(slot);
+    if (!value.defined()) continue;
+    mine.narrow(0, layout.in_slice(i, comm.rank()) / coding.block, value.size(0)).copy_(value);
+  }
+  return at::cat(comm.all_gather(mine));
 }
 
 /// Every laid-out tensor with this rank's piece of it, in the layout's order: what a sharded
@@ -104,23 +131,39 @@ inline void gather_state(ShardedOptimizer& shards, torch::optim::Optimizer& full
     set_state(full, full.param_groups()[slot.group].params()[slot.index],
               new_state(kind, c[3 * i + 1]));
   }
+  const auto coding = shards.moments();
   for (std::size_t k = 0; k < kShardedFields; ++k) {
     for (const auto& bucket : shards.layout().buckets()) {
-      bool any = false;
-      for (const auto i : bucket.slots) any = any || ((c[3 * i + 2] >> k) & 1) != 0;
-      if (!any) continue;
-      const auto values = shards.gather_slices(bucket, at::kFloat, [&](const Slot& slot) {
+      bool plain = false, rows = false;
+      for (const auto i : bucket.slots) {
+        if (((c[3 * i + 2] >> k) & 1) == 0) continue;
+        (rows_of(slots[i], coding) ? rows : plain) = true;
+      }
+      const auto field_of = [&](const Slot& slot) {
         auto* state = slot.piece.defined() ? state_of(sharded, slot.piece) : nullptr;
         if (state == nullptr) return at::Tensor();
         auto* field = state_fields(*state, kind)[k];
         return field != nullptr && field->defined() ? *field : at::Tensor();
-      });
+      };
+      at::Tensor values, coded;
+      if (plain) {
+        values = shards.gather_slices(bucket, at::kFloat, [&](const Slot& slot) {
+          return rows_of(slot, coding) ? at::Tensor() : field_of(slot);
+        });
+      }
+      if (rows) coded = gather_rows(shards, bucket, coding, field_of).cpu();
       for (const auto i : bucket.slots) {
         if (((c[3 * i + 2] >> k) & 1) == 0) continue;
         const auto& slot = slots[i];
         const auto& target = full.param_groups()[slot.group].params()[slot.index];
-        *state_fields(*state_of(full, target), kind)[k] =
-            values.narrow(0, slot.offset, slot.param.numel()).view(target.sizes()).to(target.scalar_type(), false, true);
+        auto& field = *state_fields(*state_of(full, target), kind)[k];
+        if (rows_of(slot, coding)) {
+          field = coded.narrow(0, slot.offset / coding.block, slot.param.numel() / coding.block)
+                      .to(target.device(), false, true);
+        } else {
+          field = values.narrow(0, slot.offset, slot.param.numel()).view(target.sizes())
+                      .to(target.scalar_type(), false, true);
+        }
       }
     }
   }
@@ -133,6 +176,7 @@ inline void gather_state(ShardedOptimizer& shards, torch::optim::Optimizer& full
 inline void scatter_state(ShardedOptimizer& shards, torch::optim::Optimizer& full) {
   auto& sharded = shards.optimizer();
   const auto kind = *sharded_kind(full);
+  const auto coding = shards.moments();
   at::NoGradGuard no_grad;
   auto& states = sharded.state();
   states.clear();
@@ -149,7 +193,11 @@ inline void scatter_state(ShardedOptimizer& shards, torch::optim::Optimizer& ful
     const auto from = state_fields(*loaded, kind);
     const auto to = state_fields(*state, kind);
     for (std::size_t k = 0; k < kShardedFields; ++k) {
-      if (from[k] != nullptr && from[k]->defined()) {
+      if (from[k] == nullptr || !from[k]->defined()) continue;
+      if (from[k]->scalar_type() == at::kByte) {  // rows (recode_moments made them P's)
+        *to[k] = from[k]->narrow(0, slot.piece_from / coding.block, slot.piece.numel() / coding.block)
+                     .to(slot.piece.device(), false, true);
+      } else {
         *to[k] = slice(*from[k]).to(slot.piece.scalar_type(), false, true);
       }
     }

@@ -130,7 +130,8 @@ class ShardedOptimizer {
     // before the backward pass ends.
     for (std::size_t n = 0; n <= units; ++n) {
       const auto k = n < units ? units - 1 - n : units;
-      const auto range = reducer_.lay_out(by_unit[k], by_unit[k], /*allocate=*/false);
+      const auto range = reducer_.lay_out(by_unit[k], by_unit[k], /*allocate=*/false,
+                                          storage.moments.block);
       layout.slice(range, comm_.world_size());
       if (k < units) ranges[k] = range;
     }
@@ -213,11 +214,19 @@ class ShardedOptimizer {
     gather_into_model(reducer_.layout().all());
   }
 
+  /// The block format of Adam's moments (plain: none), whose rows gather_state moves whole.
+  MomentCoding moments() const noexcept { return storage_.moments; }
   /// A lean storage's pieces (null: none), their rounding's seed and count.
   LeanMasters* lean_rounding() noexcept { return lean_ ? &lean_->rounding() : nullptr; }
   /// A lean piece's bf16 value and what is kept of it, for the one-pass step.
   std::optional<LeanTarget> lean_target(const at::Tensor& piece) {
     return lean_ ? lean_->target(reducer_.layout(), piece) : std::nullopt;
+  }
+  /// The elements of the whole tensor `piece` is of (itself: its own).
+  std::int64_t whole_numel(const at::Tensor& piece) const {
+    const auto it = piece_slot_.find(piece.unsafeGetTensorImpl());
+    return it == piece_slot_.end() ? piece.numel()
+                                   : reducer_.layout().slots()[it->second].param.numel();
   }
   /// Lean pieces: every piece's fp32 value, for a step or a checkpoint (and its moments fp32,
   /// for a step).

@@ -104,6 +104,8 @@ class StepGroup {
   virtual LeanMasters* lean_rounding() noexcept { return nullptr; }
   /// A lean piece's target for the one-pass step (lean_adam_step) into `out`; false: none.
   virtual bool lean_target(const at::Tensor& /*piece*/, LeanTarget& /*out*/) { return false; }
+  /// The elements of the whole tensor a piece is of (a block format quantizes by it).
+  virtual std::int64_t whole_numel(const at::Tensor& piece) const { return piece.numel(); }
   virtual void inflate_pieces() {}
   virtual void release_pieces(bool /*narrow*/) {}
   virtual void stow_loaded_pieces() {}

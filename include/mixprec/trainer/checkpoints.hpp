@@ -79,6 +79,8 @@ class TrainerCheckpoints {
   /// checkpoint (docs/distributed.md, "Sharded checkpoints"): each rank writes the pieces it
   /// holds into a file of its own, piece by piece, rank 0 the index last; complete and verified,
   /// or the previous checkpoint stays. load() takes it at any world size, sharded or not.
+  /// With Adam's moments in a block format (Moments8bit, ...) each rank writes the rows of its
+  /// pieces (whole blocks), and the checkpoint holds each moment as its whole tensor's rows.
   void save(const std::string& path, const UserValues& user = {}) const {
     check_saveable(user);
     if (self().tensors_.sharded()) return save_sharded_checkpoint(path, user);
@@ -102,7 +104,9 @@ class TrainerCheckpoints {
   /// A directory is a sharded checkpoint (written by a sharded run's save() at any world size):
   /// each rank reads only the ranges it holds, after every file was checked (sizes, headers, and
   /// the checksums, shared out over the ranks); a missing, damaged or foreign file is an Error
-  /// that names it, and nothing is loaded.
+  /// that names it, and nothing is loaded. Its moments load into a sharded Trainer only in the
+  /// format they were saved in (plain, or the same block format); an unsharded Trainer with
+  /// master weights converts them, as from a checkpoint file.
   UserValues load(const std::string& path) {
     if (sharded_at(path)) return load_sharded_checkpoint(path);
     return load_with(path, [&](auto& commit) {
@@ -242,6 +246,9 @@ class TrainerCheckpoints {
   void write_extras(torch::serialize::OutputArchive& archive) const {
     const auto& t = self();
     if constexpr (fp8_policy<P>) archive.write("mixprec.fp8", c10::IValue(t.fp8_.state_dict()));
+    if constexpr (quantized_moments<P>) {  // the format of the moments' rows
+      archive.write("mixprec.moments", c10::IValue(moment_coding_name(moment_coding_of<P>)));
+    }
     if (const auto* lean = t.tensors_.lean()) {
       archive.write("mixprec.rounding",
                     at::tensor({static_cast<std::int64_t>(lean->seed()),
@@ -275,7 +282,11 @@ class TrainerCheckpoints {
     t.adopt_optimizer_changes();
     return voted_load(t.data_parallel_.get(), dir, [&](auto& commit) {
       return checked_or_error(dir, [&] {
-        ShardedReader reader(dir, parts(std::nullopt), t.tensors_.masters(), narrow_moments_of<P>);
+        // Sharded, the pieces are read as they are: the directory's moments must be in this
+        // Trainer's format. Unsharded, LeanLoad converts them (with master weights).
+        const bool recodes = !t.tensors_.sharded() && t.tensors_.masters() != nullptr;
+        ShardedReader reader(dir, parts(std::nullopt), t.tensors_.masters(), narrow_moments_of<P>,
+                             moment_coding_of<P>, recodes);
         auto small = read_small(reader.state(), dir, reader.scaler_state(), /*recipe_recorded=*/true);
         auto user = read_user_values(reader.state(), dir);
         commit();  // every rank has read and checked all of it
@@ -284,7 +295,7 @@ class TrainerCheckpoints {
         } else {
           LeanLoad<P> lean(t.tensors_.masters(), *t.optimizer_);
           reader.apply();
-          lean.loaded();
+          lean.loaded(reader.moments());
         }
         apply_small(small, reader.counters());
         return user;
@@ -339,6 +350,18 @@ class TrainerCheckpoints {
             static_cast<std::uint64_t>(saved[1].item<std::int64_t>())};
   }
 
+  // The block format of the checkpoint's moments; plain where it records none (every other
+  // storage's checkpoints, and those written before block formats existed).
+  static MomentCoding read_moments(torch::serialize::InputArchive& archive,
+                                   const std::string& source) {
+    c10::IValue saved;
+    if (!archive.try_read("mixprec.moments", saved)) return {};
+    const auto coding = saved.isString() ? moment_coding_named(saved.toStringRef()) : std::nullopt;
+    MIXPREC_CHECK(coding.has_value(), "checkpoint '", source, "': mixprec.moments names no block "
+                  "format of Adam's moments (Moments8bit<256>, ...); the file is damaged");
+    return *coding;
+  }
+
   // load(path) and load(archive): a param group added since the last step (or a new optimizer)
   // is adopted first, as step() would (the checkpoint of a run that had adopted it holds its
   // masters and state, which must not be dropped); then the data-parallel vote around
@@ -362,16 +385,18 @@ class TrainerCheckpoints {
     auto& t = self();
     auto view = consolidated(/*values=*/false, /*state=*/false);
     auto loaded = read_state(archive, source, parts(view));
+    const auto moments = read_moments(archive, source);
     auto small = read_small(archive, source, loaded.scaler_state, loaded.policy_settings);
     commit();  // every rank has read and checked all of it
     if (view) {  // sharded: read into the full view, then each rank takes its slices
       apply_state(loaded, *view->optimizer);
+      recode_moments(*view->optimizer, moments, moment_coding_of<P>);
       t.data_parallel_->scatter_state(*view->optimizer);
       t.data_parallel_->stow_loaded_pieces();
     } else {
       LeanLoad<P> lean(t.tensors_.masters(), *t.optimizer_);  // the masters' values land in fp32 data
       apply_state(loaded, *t.optimizer_);
-      lean.loaded();
+      lean.loaded(moments);
     }
     apply_small(small, loaded.counters);
     return std::move(loaded.user);

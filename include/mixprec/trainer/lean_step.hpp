@@ -11,9 +11,11 @@
 #include <mixprec/optim/lean_adam_step.hpp>
 #include <mixprec/optim/lean_moments.hpp>
 #include <mixprec/optim/master_weights.hpp>
+#include <mixprec/optim/quantized_moments.hpp>
 
 #include <torch/optim/optimizer.h>
 
+#include <functional>
 #include <set>
 #include <type_traits>
 
@@ -28,6 +30,13 @@ template <class P>
 inline constexpr bool lean_pass_storage = storage_of<P>::masters == MasterStorage::remainder ||
                                           storage_of<P>::masters == MasterStorage::stochastic;
 
+/// Whether P's step is a one-pass kernel over what the storage keeps: a block format's always
+/// (quantized_adam_step), lean masters' under fused_optimizer on the CPU (lean_adam_step).
+template <class P>
+bool one_pass_step(bool fused_optimizer, bool cpu_only) {
+  return quantized_moments<P> || (lean_pass_storage<P> && fused_optimizer && cpu_only);
+}
+
 /// What the one-pass step (fused_optimizer on the CPU) updates in place: the lean masters'
 /// model weights and what is kept of them, or sharded, this rank's pieces'.
 inline LeanTargets lean_targets(MasterWeights* masters, StepGroup* group) {
@@ -41,10 +50,56 @@ inline LeanTargets lean_targets(MasterWeights* masters, StepGroup* group) {
   return [masters](const at::Tensor& p) { return masters->lean_target(p); };
 }
 
+/// What the quantized step updates: as lean_targets, with each tensor's whole size (a piece's
+/// tensor's, sharded), which decides whether torchao would quantize it.
+inline QuantizedTargets quantized_targets(MasterWeights* masters, StepGroup* group) {
+  if (group != nullptr && group->sharded()) {
+    return [group](const at::Tensor& p) {
+      QuantizedTarget target;
+      LeanTarget lean;
+      if (group->lean_target(p, lean)) target.lean = lean;
+      target.whole = group->whole_numel(p);
+      return target;
+    };
+  }
+  return [masters](const at::Tensor& p) {
+    QuantizedTarget target;
+    if (masters != nullptr) target.lean = masters->lean_target(p);
+    return target;
+  };
+}
+
+/// P's one-pass step over `masters` (or sharded, `group`'s pieces), gradients divided by its
+/// argument (lean_adam_step, or quantized_adam_step for a block format).
+template <class P>
+std::function<void(const at::Tensor&)> one_pass_step_of(torch::optim::Optimizer& optimizer,
+                                                        MasterWeights* masters, StepGroup* group) {
+  if constexpr (quantized_moments<P>) {
+    return [&optimizer, targets = quantized_targets(masters, group)](const at::Tensor& scale) {
+      quantized_adam_step(optimizer, targets, scale, moment_coding_of<P>,
+                          storage_of<P>::moment_dtype == c10::ScalarType::BFloat16);
+    };
+  } else {
+    return [&optimizer, targets = lean_targets(masters, group)](const at::Tensor& scale) {
+      lean_adam_step(optimizer, targets, scale, narrow_moments_of<P>);
+    };
+  }
+}
+
 /// The Trainer's construction: an Error where P's storage cannot keep this optimizer's state.
 template <class P>
 void check_lean_optimizer(const torch::optim::Optimizer& optimizer) {
-  if constexpr (narrow_moments_of<P>) check_narrowable_moments(optimizer, P::name);
+  if constexpr (quantized_moments<P>) {
+    check_quantizable_optimizer(optimizer, P::name, moment_coding_of<P>);
+    for (const auto& t : optimizer_tensors(optimizer)) {
+      MIXPREC_CHECK(t.device().is_cpu(), "Trainer<", P::name, "> keeps Adam's moments in ",
+                    moment_coding_name(moment_coding_of<P>), ", which mixprec steps on the CPU; "
+                    "a parameter is on ", t.device(), ": keep plain moments there (e.g. "
+                    "RemainderMasters<at::BFloat16>)");
+    }
+  } else if constexpr (narrow_moments_of<P>) {
+    check_narrowable_moments(optimizer, P::name);
+  }
 }
 
 /// The optimizer's moments of the tensors stepped for a bf16 model tensor, rounded to bf16.
@@ -125,7 +180,8 @@ class LeanStep {
 /// Around a checkpoint's load: the masters inflated, so that the loaded values land in them,
 /// then stowed (RemainderMasters: split again; StochasticRounding: the model holds them). A
 /// checkpoint of another storage converts: it holds fp32 master values whatever its storage,
-/// and its moments are widened to fp32, then narrowed to bf16 where P keeps them so.
+/// and its moments are decoded from its block format (`saved`, where it has one) and coded in
+/// P's, or widened to fp32, then narrowed to bf16 where P keeps them so.
 template <class P>
 class LeanLoad {
  public:
@@ -135,9 +191,10 @@ class LeanLoad {
   }
   LeanLoad(const LeanLoad&) = delete;
   LeanLoad& operator=(const LeanLoad&) = delete;
-  void loaded() {
+  void loaded(MomentCoding saved = {}) {
     if (masters_ == nullptr) return;
     masters_->stow(/*stepped=*/false);
+    recode_moments(optimizer_, saved, moment_coding_of<P>);
     widen_moments(optimizer_);  // fp32 state for fp32 masters
     if constexpr (narrow_moments_of<P>) narrow_low_moments(optimizer_, *masters_);
   }

@@ -18,6 +18,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <functional>
 #include <optional>
 
 namespace mixprec::detail {
@@ -68,6 +69,10 @@ struct OptimizerStep {
   double grad_divisor = 1.0;
 };
 
+/// A one-pass step over what a storage keeps, gradients divided by its argument (lean_step.hpp's
+/// one_pass_step_of: lean_adam_step, quantized_adam_step).
+using OnePassStep = std::function<void(const at::Tensor&)>;
+
 /// A step skipped because clipping's read pass found inf/NaN writes nothing: masters that
 /// were to read the model's gradients (UnscalePlan::grads_from) get them as they are, scaled.
 inline void copy_skipped_grads(torch::optim::Optimizer& optimizer, const UnscalePlan& plan) {
@@ -84,19 +89,18 @@ inline void copy_skipped_grads(torch::optim::Optimizer& optimizer, const Unscale
 
 /// Unscales, checks, clips, and steps or skips (`fused`: through ATen's fused Adam/AdamW, which
 /// divides by the scale itself); the engine is ready for the next step whatever happens.
-/// `lean`: the lean masters (or sharded, pieces) that the fused step updates in one pass
-/// (lean_adam_step; `narrow_moments`: their moments are bf16) instead of ATen's kernel.
+/// `one_pass`: the step that updates what a lean storage keeps in one pass instead of ATen's
+/// kernel (it divides by the scale too).
 inline OptimizerStep take_optimizer_step(StepEngine& engine, torch::optim::Optimizer& optimizer,
                                          const UnscalePlan& plan, bool fused,
-                                         const LeanTargets& lean = {},
-                                         bool narrow_moments = false) {
+                                         const OnePassStep& one_pass = {}) {
   OptimizerStep result;
   const double scale = engine.get_scale();
   try {
-    if (fused) {
+    if (fused || one_pass) {
       const auto done = engine.step_fused(optimizer, plan, [&](const at::Tensor& divisor) {
-        if (lean) {
-          lean_adam_step(optimizer, lean, divisor, narrow_moments);
+        if (one_pass) {
+          one_pass(divisor);
           // The one pass divides as it reads (on the CPU: a host value).
           if (divisor.defined()) result.grad_divisor = divisor.item<double>();
         } else {

@@ -85,9 +85,9 @@ inline void check_options(const TrainerOptions& options) {
 template <class P>
 void check_fused(const TrainerOptions& options, const torch::optim::Optimizer& optimizer) {
   if (!options.fused_optimizer()) return;
-  if constexpr (lean_pass_storage<P>) {
-    // On the CPU mixprec's own one-pass kernel (optim/lean_adam.hpp) steps Adam and AdamW;
-    // elsewhere ATen's fused kernel, between the inflated masters.
+  if constexpr (lean_pass_storage<P> || quantized_moments<P>) {
+    // On the CPU mixprec's own one-pass kernel (optim/lean_adam.hpp, quantized_adam.hpp) steps
+    // Adam and AdamW; elsewhere ATen's fused kernel, between the inflated masters.
     bool cpu = true;
     for (const auto& t : optimizer_tensors(optimizer)) cpu = cpu && t.device().is_cpu();
     if (cpu) {

@@ -13,6 +13,7 @@
 #include <mixprec/io/checkpoint_file.hpp>
 #include <mixprec/io/safetensors_stream.hpp>
 #include <mixprec/optim/master_weights.hpp>
+#include <mixprec/optim/quantized_moments.hpp>
 #include <mixprec/optim/sharded_state.hpp>
 #include <mixprec/trainer/ranks.hpp>
 #include <mixprec/trainer/sharded_files.hpp>
@@ -44,16 +45,24 @@ class ShardedReader {
  public:
   /// Reads and checks the checkpoint in `dir` against the Trainer's `parts` (`masters`: an
   /// unsharded Trainer's; `bf16_moments`: its storage keeps the moments in bf16, and bf16 ones
-  /// are read as they are, never whole in fp32); changes nothing. Every failure is an Error
-  /// that names the file.
+  /// are read as they are, never whole in fp32; `moments`: the format it keeps Adam's moments
+  /// in, which the directory's must be unless `recodes` (the caller converts them after
+  /// apply(), from moments()); changes nothing. Every failure is an Error that names the file.
   ShardedReader(const std::string& dir, const CheckpointParts& parts, MasterWeights* masters,
-                bool bf16_moments)
+                bool bf16_moments, MomentCoding moments = {}, bool recodes = false)
       : files_(dir, parts.data_parallel ? parts.data_parallel->rank() : 0,
                parts.data_parallel ? parts.data_parallel->world_size() : 1),
         dir_(dir), index_(files_.index()), parts_(parts), masters_(masters),
         group_(parts.data_parallel), names_(TensorNames::of(parts.model)),
         bf16_moments_(bf16_moments) {
     check_policy_settings(index_.policy, index_.policy_settings, parts.policy, dir_);
+    moments_ = saved_moments();
+    MIXPREC_CHECK(moments_ == moments || recodes, "checkpoint '", dir_, "' holds Adam's moments ",
+                  described(moments_), ", this Trainer keeps them ", described(moments), ": a "
+                  "sharded Trainer (or one without master weights) reads a directory's moments "
+                  "only in their own format (its pieces are laid out for it); load it into a Trainer of the same format, "
+                  "or into an unsharded Trainer with master weights (which converts them) and "
+                  "save from there; nothing was loaded");
     const auto own_type = optimizer_type(parts.optimizer);
     MIXPREC_CHECK(index_.optimizer == own_type, "checkpoint '", dir_, "' was written with a ",
                   index_.optimizer, " optimizer, this Trainer steps a ", own_type,
@@ -90,6 +99,8 @@ class ShardedReader {
     return state;
   }
   const std::string& dir() const noexcept { return dir_; }
+  /// The format of the directory's moments (plain where it records none).
+  MomentCoding moments() const noexcept { return moments_; }
 
   /// Puts the checkpoint in place: the param groups' options, the optimizer's state (made anew),
   /// then this rank's ranges read into the tensors, then the RNG. Call after every rank checked
@@ -158,6 +169,47 @@ class ShardedReader {
     return t;
   }
 
+  // The moments' format the state file records (mixprec.moments: written by a storage with a
+  // block format); plain where it records none.
+  MomentCoding saved_moments() {
+    c10::IValue saved;
+    if (!state().try_read("mixprec.moments", saved)) return {};
+    const auto coding = saved.isString() ? moment_coding_named(saved.toStringRef()) : std::nullopt;
+    MIXPREC_CHECK(coding.has_value(), "checkpoint '", dir_, "': mixprec.moments names no block "
+                  "format of Adam's moments (Moments8bit<256>, ...); the file is damaged");
+    return *coding;
+  }
+  static std::int64_t numel_of(at::IntArrayRef shape) {
+    std::int64_t n = 1;
+    for (const auto s : shape) n *= s;
+    return n;
+  }
+  static std::string described(MomentCoding coding) {
+    return coding.quantized() ? "in the block format " + moment_coding_name(coding)
+                              : std::string("as plain tensors");
+  }
+
+  // A moment of a tensor of `shape` the directory holds as rows of its block format: this
+  // rank's `like` (elements [from, from + like.numel()), whole blocks) read as its rows.
+  void read_rows(const std::string& key, at::IntArrayRef shape, const at::Tensor& like,
+                 std::int64_t from, std::size_t k) {
+    const auto whole = numel_of(shape);
+    const auto block = moments_.block, width = row_bytes(moments_.format, block);
+    const auto n = like.numel();
+    MIXPREC_CHECK(n % block == 0 && from % block == 0, "checkpoint '", dir_, "': '", key, "' "
+                  "holds rows of ", moment_coding_name(moments_), ", but this Trainer's piece of ",
+                  n, " elements from ", from, " is no whole number of its blocks; nothing was "
+                  "loaded");
+    require(key, {whole / block, width}, at::kByte);
+    auto& optimizer = parts_.optimizer;
+    reads_.push_back({key, from / block * width, [&optimizer, like, k, kind = *kind_, n, block, width] {
+                        auto* state = state_of(optimizer, like);
+                        auto& slot = *state_fields(*state, kind)[k];
+                        slot = at::empty({n / block, width}, like.options().dtype(at::kByte));
+                        return slot.view({-1});
+                      }, {}});
+  }
+
   void read_fields(const std::string& name, at::IntArrayRef shape, const at::Tensor& like,
                    std::int64_t from) {
     const auto step = index_.steps.find(name);
@@ -171,6 +223,10 @@ class ShardedReader {
       if (index_.tensors.count(key) == 0) {
         MIXPREC_CHECK(sgd || k == 2, "checkpoint '", dir_, "' lacks '", key, "' beside the step "
                       "of '", name, "'; restore the directory from a copy; nothing was loaded");
+        continue;
+      }
+      if (!sgd && k < 2 && moments_.quantized() && quantizes(numel_of(shape), moments_.block)) {
+        read_rows(key, shape, like, from, k);
         continue;
       }
       const auto saved = require(key, shape, std::nullopt).dtype;
@@ -323,6 +379,7 @@ class ShardedReader {
   StepGroup* group_;
   TensorNames names_;
   bool bf16_moments_;
+  MomentCoding moments_;  // the directory's
   std::optional<ShardedKind> kind_;
   std::vector<std::unique_ptr<torch::optim::OptimizerOptions>> options_;
   std::vector<Read> reads_;

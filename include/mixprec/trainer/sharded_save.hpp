@@ -18,6 +18,7 @@
 #include <mixprec/io/checkpoint_file.hpp>
 #include <mixprec/io/json.hpp>
 #include <mixprec/io/safetensors_stream.hpp>
+#include <mixprec/optim/quantized_moments.hpp>
 #include <mixprec/optim/sharded_state.hpp>
 #include <mixprec/trainer/sharded_index.hpp>
 #include <mixprec/trainer/state.hpp>
@@ -119,8 +120,14 @@ inline LocalShard local_shard(const CheckpointParts& parts, StepGroup& group,
     for (std::size_t k = 0; k < fields.size(); ++k) {
       if (fields[k] == nullptr || !fields[k]->defined()) continue;
       const auto field = *fields[k];
-      shard.pieces.push_back({"optimizer." + name + "." + state_field_name(sgd, k),
-                              field.scalar_type(), shape, slot.from, n,
+      const auto key = "optimizer." + name + "." + state_field_name(sgd, k);
+      if (is_moment_rows(field)) {  // a block format's rows: the piece's rows of the tensor's
+        const auto rows = moment_rows_piece(field, slot.param.numel(), slot.from, n, key);
+        shard.pieces.push_back({key, at::kByte, rows.shape, rows.from, rows.count,
+                                [field] { return flat(field); }});
+        continue;
+      }
+      shard.pieces.push_back({key, field.scalar_type(), shape, slot.from, n,
                               [field] { return flat(field); }});
     }
   }

@@ -298,21 +298,22 @@ class Trainer : public detail::TrainerCheckpoints<P> {
     const auto losses = std::move(loss_sum_);
     loss_sum_ = at::Tensor();
     // Lean storage: fp32 masters and moments from here to the end of the optimizer step; or,
-    // fused on the CPU, one pass over what it keeps, reading the model's gradients in place.
-    const bool lean_pass = detail::lean_pass_storage<P> && options_.fused_optimizer() &&
-                           tensors_.cpu_only();
-    const detail::LeanStep<P> lean(masters, *optimizer_, /*inflate=*/!lean_pass,
+    // fused on the CPU (a block format's moments: always), one pass over what it keeps, lean
+    // masters reading the model's gradients in place.
+    const bool one_pass = detail::one_pass_step<P>(options_.fused_optimizer(), tensors_.cpu_only());
+    const bool model_grads = one_pass && detail::lean_pass_storage<P>;
+    const detail::LeanStep<P> lean(masters, *optimizer_, /*inflate=*/!one_pass,
                                    data_parallel_.get());
-    if (lean_pass && n == 1 && !data_parallel_) masters->alias_grads();
-    const auto plan = detail::plan_unscale(options_, lean_pass ? nullptr : masters, n,
+    if (model_grads && n == 1 && !data_parallel_) masters->alias_grads();
+    const auto plan = detail::plan_unscale(options_, model_grads ? nullptr : masters, n,
                                            data_parallel_.get(), calls_, losses,
                                            fp8_.pending_amaxes());
     detail::OptimizerStep done;
     try {
-      done = detail::take_optimizer_step(engine_, *optimizer_, plan, options_.fused_optimizer(),
-                                         lean_pass ? detail::lean_targets(masters, data_parallel_.get())
-                                                   : detail::LeanTargets(),
-                                         detail::narrow_moments_of<P>);
+      done = detail::take_optimizer_step(
+          engine_, *optimizer_, plan, options_.fused_optimizer(),
+          one_pass ? detail::one_pass_step_of<P>(*optimizer_, masters, data_parallel_.get())
+                   : detail::OnePassStep());
     } catch (...) {
       fp8_.finish_step(/*stepped=*/false);
       throw;
