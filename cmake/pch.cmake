@@ -12,8 +12,17 @@ if(MIXPREC_QUICK_BUILD)
   target_compile_options(mixprec_pch PRIVATE -O0)
 endif()
 
+# MIXPREC_USE_PRECOMPILED (OFF): every program of this build links the compiled companion,
+# mixprec::precompiled. Off by default: at -O0 (./scripts/test) a test TU spends little of its
+# time on the Trainers it instantiates, and the companion's own objects cost more than they save
+# (docs/build.md has the figures); the README's example links it in the builds with build checks.
+option(MIXPREC_USE_PRECOMPILED "The project's own programs link mixprec::precompiled" OFF)
+
 function(mixprec_use_pch target)
   target_precompile_headers(${target} REUSE_FROM mixprec_pch)
+  if(MIXPREC_USE_PRECOMPILED AND NOT target STREQUAL "mixprec_precompiled")
+    target_link_libraries(${target} PRIVATE mixprec::precompiled)
+  endif()
   if(MIXPREC_QUICK_BUILD)
     target_compile_options(${target} PRIVATE -O0)
   endif()

@@ -81,16 +81,7 @@ class TrainerCheckpoints {
   /// or the previous checkpoint stays. load() takes it at any world size, sharded or not.
   /// With Adam's moments in a block format (Moments8bit, ...) each rank writes the rows of its
   /// pieces (whole blocks), and the checkpoint holds each moment as its whole tensor's rows.
-  void save(const std::string& path, const UserValues& user = {}) const {
-    check_saveable(user);
-    if (self().tensors_.sharded()) return save_sharded_checkpoint(path, user);
-    const WholeState whole(self().data_parallel_.get());
-    const auto rngs = gather_rngs(self().data_parallel_.get());
-    const auto view = consolidated(/*values=*/true, /*state=*/true);
-    write_on_rank0(self().data_parallel_.get(), path, [&] {
-      write_state_file(path, [&](auto& archive) { write(archive, rngs, user, view); });
-    });
-  }
+  void save(const std::string& path, const UserValues& user = {}) const;
 
   /// Restores a checkpoint written by save() of a Trainer of the same policy, model and
   /// optimizer: the optimizer's state and param-group options become the saved ones exactly,
@@ -107,48 +98,22 @@ class TrainerCheckpoints {
   /// that names it, and nothing is loaded. Its moments load into a sharded Trainer only in the
   /// format they were saved in (plain, or the same block format); an unsharded Trainer with
   /// master weights converts them, as from a checkpoint file.
-  UserValues load(const std::string& path) {
-    if (sharded_at(path)) return load_sharded_checkpoint(path);
-    return load_with(path, [&](auto& commit) {
-      auto archive = read_state_file(path);
-      return load_checked(archive, path, commit);
-    });
-  }
+  UserValues load(const std::string& path);
 
   /// save() into an archive of the caller's (LibTorch's composition: `torch::save(trainer,
   /// path)` and `archive << trainer` go through here): the same contents, without the atomic
   /// file and its checksum, which the caller's archive does not have. Data parallel: every rank
   /// calls it, and every rank's archive holds all ranks' RNG states.
-  void save(torch::serialize::OutputArchive& archive, const UserValues& user = {}) const {
-    check_saveable(user);
-    const WholeState whole(self().data_parallel_.get());
-    const auto rngs = gather_rngs(self().data_parallel_.get());
-    const auto view = consolidated(/*values=*/true, /*state=*/true);
-    try {
-      write(archive, rngs, user, view);
-    } catch (const Error&) {
-      throw;
-    } catch (const std::exception& e) {
-      fail("cannot write the checkpoint archive: ", message_of(e));
-    }
-  }
+  void save(torch::serialize::OutputArchive& archive, const UserValues& user = {}) const;
 
   /// load() from an archive of the caller's (`torch::load(trainer, path)`, `archive >> trainer`).
-  UserValues load(torch::serialize::InputArchive& archive) {
-    return load_with("the archive", [&](auto& commit) {
-      return load_checked(archive, "the archive", commit);
-    });
-  }
+  UserValues load(torch::serialize::InputArchive& archive);
 
   /// The fp32 weights of the model by state_dict name: the masters under MixedO2 (not their
   /// rounding in the model), the parameters cast to fp32 otherwise, and the buffers (floating
   /// ones in fp32). What an fp32 model for inference or another framework takes.
   /// Sharded: gathered from every rank's masters; collective (every rank calls it).
-  torch::OrderedDict<std::string, at::Tensor> fp32_state_dict() const {
-    const WholeState whole(self().data_parallel_.get());
-    const auto view = consolidated(/*values=*/true, /*state=*/false);
-    return detail::fp32_state_dict(*self().model_, masters_of(view));
-  }
+  torch::OrderedDict<std::string, at::Tensor> fp32_state_dict() const;
 
   /// Weights into the trained model by name, under mixprec::load_state_dict's rules (strict,
   /// shapes, dtypes, tied tensors: LoadOptions), with one Error and nothing changed unless all
@@ -158,15 +123,10 @@ class TrainerCheckpoints {
   /// between optimizer steps. Data parallel: every rank loads the same weights (the next step's
   /// forward sees rank 0's buffers); refused where the optimizer state is sharded (load into
   /// the model before building the Trainer).
-  LoadReport load_state_dict(const StateDict& weights, const LoadOptions& options = {}) {
-    return load_weights_from("the state dict", [&] { return detail::WeightsFile{weights, {}}; }, options);
-  }
+  LoadReport load_state_dict(const StateDict& weights, const LoadOptions& options = {});
 
   /// load_state_dict of the file at `path`: torch.save's or safetensors (read_state_dict).
-  LoadReport load_weights(const std::string& path, const LoadOptions& options = {}) {
-    return load_weights_from("'" + path + "'", [&] { return detail::read_weights(path, options.key()); },
-                             options);
-  }
+  LoadReport load_weights(const std::string& path, const LoadOptions& options = {});
 
   /// Writes fp32_state_dict() to `path` atomically: WeightsFormat::libtorch as Module::save
   /// writes a model, so that `torch::load(fp32_model, path)` reads it into a model of the same
@@ -176,17 +136,7 @@ class TrainerCheckpoints {
   /// `model.load_state_dict(safetensors.torch.load_file(path))`).
   /// Sharded: collective. safetensors gathers one bucket at a time (at most a ZeRO-3 unit) and
   /// rank 0 writes it; the other formats gather everything on every rank first.
-  void save_fp32(const std::string& path, WeightsFormat format = WeightsFormat::libtorch) const {
-    self().check_not_busy("save_fp32");
-    if (format == WeightsFormat::safetensors) {
-      return detail::save_fp32_streamed(path, *self().model_, self().tensors_.masters(),
-                                        self().tensors_.sharded() ? self().data_parallel_.get()
-                                                                  : nullptr);
-    }
-    const WholeState whole(self().data_parallel_.get());
-    const auto view = consolidated(/*values=*/true, /*state=*/false);
-    detail::save_fp32(path, format, *self().model_, masters_of(view));
-  }
+  void save_fp32(const std::string& path, WeightsFormat format = WeightsFormat::libtorch) const;
 
  private:
   const Trainer<P>& self() const { return static_cast<const Trainer<P>&>(*this); }
@@ -402,6 +352,80 @@ class TrainerCheckpoints {
     return std::move(loaded.user);
   }
 };
+
+template <class P>
+void TrainerCheckpoints<P>::save(const std::string& path, const UserValues& user) const {
+  check_saveable(user);
+  if (self().tensors_.sharded()) return save_sharded_checkpoint(path, user);
+  const WholeState whole(self().data_parallel_.get());
+  const auto rngs = gather_rngs(self().data_parallel_.get());
+  const auto view = consolidated(/*values=*/true, /*state=*/true);
+  write_on_rank0(self().data_parallel_.get(), path, [&] {
+    write_state_file(path, [&](auto& archive) { write(archive, rngs, user, view); });
+  });
+}
+
+template <class P>
+UserValues TrainerCheckpoints<P>::load(const std::string& path) {
+  if (sharded_at(path)) return load_sharded_checkpoint(path);
+  return load_with(path, [&](auto& commit) {
+    auto archive = read_state_file(path);
+    return load_checked(archive, path, commit);
+  });
+}
+
+template <class P>
+void TrainerCheckpoints<P>::save(torch::serialize::OutputArchive& archive, const UserValues& user) const {
+  check_saveable(user);
+  const WholeState whole(self().data_parallel_.get());
+  const auto rngs = gather_rngs(self().data_parallel_.get());
+  const auto view = consolidated(/*values=*/true, /*state=*/true);
+  try {
+    write(archive, rngs, user, view);
+  } catch (const Error&) {
+    throw;
+  } catch (const std::exception& e) {
+    fail("cannot write the checkpoint archive: ", message_of(e));
+  }
+}
+
+template <class P>
+UserValues TrainerCheckpoints<P>::load(torch::serialize::InputArchive& archive) {
+  return load_with("the archive", [&](auto& commit) {
+    return load_checked(archive, "the archive", commit);
+  });
+}
+
+template <class P>
+torch::OrderedDict<std::string, at::Tensor> TrainerCheckpoints<P>::fp32_state_dict() const {
+  const WholeState whole(self().data_parallel_.get());
+  const auto view = consolidated(/*values=*/true, /*state=*/false);
+  return detail::fp32_state_dict(*self().model_, masters_of(view));
+}
+
+template <class P>
+LoadReport TrainerCheckpoints<P>::load_state_dict(const StateDict& weights, const LoadOptions& options) {
+  return load_weights_from("the state dict", [&] { return detail::WeightsFile{weights, {}}; }, options);
+}
+
+template <class P>
+LoadReport TrainerCheckpoints<P>::load_weights(const std::string& path, const LoadOptions& options) {
+  return load_weights_from("'" + path + "'", [&] { return detail::read_weights(path, options.key()); },
+                           options);
+}
+
+template <class P>
+void TrainerCheckpoints<P>::save_fp32(const std::string& path, WeightsFormat format) const {
+  self().check_not_busy("save_fp32");
+  if (format == WeightsFormat::safetensors) {
+    return detail::save_fp32_streamed(path, *self().model_, self().tensors_.masters(),
+                                      self().tensors_.sharded() ? self().data_parallel_.get()
+                                                                : nullptr);
+  }
+  const WholeState whole(self().data_parallel_.get());
+  const auto view = consolidated(/*values=*/true, /*state=*/false);
+  detail::save_fp32(path, format, *self().model_, masters_of(view));
+}
 
 // Runs LibTorch's archive I/O; what it throws about the user's file becomes a mixprec::Error.
 template <class Io>

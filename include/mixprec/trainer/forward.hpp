@@ -13,6 +13,7 @@
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
 #include <c10/util/Exception.h>
+#include <c10/util/FunctionRef.h>
 #include <torch/nn/module.h>
 
 #include <cctype>
@@ -37,6 +38,10 @@ constexpr bool returns_loss_impl() {
 }
 template <class LossFn>
 inline constexpr bool returns_loss = returns_loss_impl<LossFn>();
+
+// step()'s loss_fn past step() itself: one type, so that the step's stages are functions of
+// the policy alone (compiled once per policy, not once per caller's lambda).
+using LossFnRef = c10::function_ref<at::Tensor()>;
 
 // Whether a LibTorch message says that two dtypes met: fp32 and `low` together, in any of the
 // spellings its kernels use (Float, float, float32, FloatTensor against BFloat16, bfloat16,

@@ -73,39 +73,10 @@ class Trainer : public detail::TrainerCheckpoints<P> {
   /// parameters (each in one group; a tensor listed twice in a group is kept once), before any
   /// step. Param groups added later are adopted at the next step.
   Trainer(std::shared_ptr<torch::nn::Module> model, torch::optim::Optimizer& optimizer,
-          TrainerOptions options = {})
-      : model_(detail::checked_model<P>(std::move(model), optimizer)),
-        optimizer_(&optimizer),
-        options_(detail::checked_options<P>(std::move(options), optimizer)),
-        scaler_(detail::make_scaler<P>(options_)),
-        tensors_(*model_, optimizer),
-        schedule_(options_, optimizer) {
-    detail::Fp8Layers::Found fp8_layers;
-    if constexpr (detail::fp8_policy<P>) {
-      MIXPREC_CHECK(!P::recipe::delayed || options_.distributed() == nullptr, "Trainer<",
-                    P::name, "> with TrainerOptions::distributed: delayed scaling's amax "
-                    "histories are per rank and are not reduced across ranks yet; use "
-                    "MixedFP8<TensorwiseScaling> for data parallel");
-      // Throws if there are none, or (block recipes) if a layer's features miss the blocks.
-      fp8_layers = detail::Fp8Layers::find<typename P::recipe>(*model_, P::name);
-    }
-    // All checks passed: from here on the model and optimizer change. Data parallel
-    // (collective): the same model on every rank, then rank 0's values everywhere, before the
-    // masters are made from them.
-    if (const auto* distributed = options_.distributed()) {
-      data_parallel_ = options_.settings().make_step_group(*model_, optimizer, *distributed);
-    }
-    tensors_.take(*model_, optimizer,
-                  data_parallel_ && data_parallel_->sharded() ? data_parallel_.get() : nullptr);
-    if (auto* lean = tensors_.lean()) lean->set_rounding(options_.rounding_seed(), 0);
-    if (data_parallel_) tensors_.bind(*data_parallel_, *model_);
-    detail::warn_slow_fp16_convolutions<P>(*model_, options_, tensors_.device_types());
-    detail::warn_slow_bf16<P>(options_, tensors_.device_types());
-    if constexpr (detail::fp8_policy<P>) {
-      fp8_.enable<typename P::recipe>(std::move(fp8_layers), options_.rounding_seed());
-    }
-    schedule_.start(optimizer);  // Python's scheduler constructor step (schedule.hpp)
-  }
+          TrainerOptions options = {});
+  ~Trainer();
+  Trainer(Trainer&&) = default;  // as before: deleted where a member cannot move
+  Trainer& operator=(Trainer&&) = default;
 
   /// With the policy's own Options (a template only so that `{}` stays TrainerOptions).
   template <std::same_as<P> Q>
@@ -134,7 +105,7 @@ class Trainer : public detail::TrainerCheckpoints<P> {
                   "take no arguments and return the loss as a tensor (at::Tensor), e.g. "
                   "[&] { return torch::mse_loss(model->forward(x), y); }");
     if constexpr (detail::returns_loss<LossFn>) {
-      return run_step(loss_fn);
+      return run_step([&]() -> at::Tensor { return loss_fn(); });
     } else {
       return {};
     }
@@ -217,142 +188,16 @@ class Trainer : public detail::TrainerCheckpoints<P> {
  private:
   friend class detail::TrainerCheckpoints<P>;
 
-  // step() once loss_fn is known to return a loss.
-  template <class LossFn>
-  StepReport run_step(LossFn& loss_fn) {
-    check_not_busy("step");
-    schedule_.check_untouched();
-    const detail::Busy busy(busy_, "step()'s loss_fn");
-    ++calls_;  // first: a call that throws counts too (DataParallel::agree_step)
-    // The scaler's scale for this step, checked before anything changes (the forward pass
-    // included); the micro-batches of one step share it, as their gradients add up.
-    engine_.use_scale(scaler_.get_scale(), /*first_micro_batch=*/pending_ == 0);
-    // A param group added, or a new optimizer assigned to the one the Trainer holds, is
-    // adopted before the forward pass, which must already see its tensors cast.
-    adopt_optimizer_changes();
-    schedule_.before_micro_batch(*optimizer_, pending_, counters_.steps);
-    // Data parallel, as DDP: rank 0's buffers before the first forward of each step.
-    if (pending_ == 0) sync_buffers();
-    buffers_synced_ = false;  // this forward may update them (BatchNorm's running statistics)
-    // No gradient is visible while loss_fn runs: none after the last optimizer step, the
-    // micro-batches' partial sums held aside (a gradient made here is loss_fn's backward()).
-    if (pending_ == 0) tensors_.clear_grads(*optimizer_);
-    auto forward = detail::forward_pass<P>(*model_, tensors_.device_types(),
-                                           options_.find_non_finite_op(), loss_fn);
-    const auto loss32 = forward.loss;
-    detail::check_no_backward_in(*model_, tensors_, P::name);
-    // The last step's graph (its saved tensors freed by backward) lives until this forward has
-    // run, as the `loss` variable of a hand-written loop keeps it: the parameters' gradient
-    // accumulators are then reused instead of made anew each step.
-    last_graph_ = loss32;
-    // The partial sums go back where the backward pass adds to them; should anything below
-    // throw, they are held aside again, as between any two calls.
-    tensors_.release_grads();
-    detail::OnUnwind hold_again([this] { tensors_.hold_grads(*optimizer_); });
-    const auto n = options_.accumulation_steps();
-    const auto to_backprop = n > 1 ? loss32 / static_cast<double>(n) : loss32;
-    StepReport report;
-    report.scale = engine_.get_scale();
-    report.lr = schedule_.lr(*optimizer_);
-    report.non_finite_op = std::move(forward.non_finite_op);
-    // Data parallel: gradients travel during the backward pass of the last micro-batch only.
-    const bool reduce = data_parallel_ && pending_ + 1 == n;
-    if (data_parallel_) {
-      if (reduce && tensors_.trainable_changed()) tensors_.bind(*data_parallel_, *model_);
-      data_parallel_->prepare(reduce, /*first=*/pending_ == 0);
-    }
-    engine_.scale(to_backprop).backward();
-    // The averages land in the holders' gradients: under MixedO2 the fp32 masters', which
-    // then hold the accumulated micro-batches too. Sharded: in the pieces' gradients; the
-    // micro-batches before the last add up in the buckets.
-    if (reduce) {
-      data_parallel_->finish();
-    } else if (data_parallel_) {
-      data_parallel_->accumulate();
-    }
-    // Micro-batch gradients sum in the fp32 master gradients, not in the Low model gradients.
-    auto* const masters = tensors_.masters();
-    if (masters && n > 1 && !reduce) masters->accumulate_grads();
-    report.loss = loss32.detach();
-    loss_sum_ = loss_sum_.defined() ? loss_sum_ + report.loss : report.loss;
-    ++counters_.micro_batches;
-    report.micro_batch = ++pending_;
-    if (pending_ < n) {
-      report.step = counters_.steps;
-      // Held before on_step: an optimizer.zero_grad() or step() there finds no partial sum.
-      tensors_.hold_grads(*optimizer_);
-      hold_again.dismiss();
-      notify(report);
-      return report;
-    }
-    hold_again.dismiss();  // from here on an exception leaves the gradients to the next step
-    pending_ = 0;
-    const auto every = options_.gradient_stats().every();
-    if (every > 0 && (counters_.steps + 1) % every == 0) {
-      report.gradient_stats = detail::gradient_stats(
-          *model_, masters, counters_.steps + 1, report.scale,
-          options_.gradient_stats().group_depth(),
-          /*in_masters=*/n > 1 || data_parallel_);
-      gradient_stats_ = report.gradient_stats;
-    }
-    const auto losses = std::move(loss_sum_);
-    loss_sum_ = at::Tensor();
-    // Lean storage: fp32 masters and moments from here to the end of the optimizer step; or,
-    // fused on the CPU (a block format's moments: always), one pass over what it keeps, lean
-    // masters reading the model's gradients in place.
-    const bool one_pass = detail::one_pass_step<P>(options_.fused_optimizer(), tensors_.cpu_only());
-    const bool model_grads = one_pass && detail::lean_pass_storage<P>;
-    const detail::LeanStep<P> lean(masters, *optimizer_, /*inflate=*/!one_pass,
-                                   data_parallel_.get());
-    if (model_grads && n == 1 && !data_parallel_) masters->alias_grads();
-    const auto plan = detail::plan_unscale(options_, model_grads ? nullptr : masters, n,
-                                           data_parallel_.get(), calls_, losses,
-                                           fp8_.pending_amaxes());
-    detail::OptimizerStep done;
-    try {
-      done = detail::take_optimizer_step(
-          engine_, *optimizer_, plan, options_.fused_optimizer(),
-          one_pass ? detail::one_pass_step_of<P>(*optimizer_, masters, data_parallel_.get())
-                   : detail::OnePassStep());
-    } catch (...) {
-      fp8_.finish_step(/*stepped=*/false);
-      throw;
-    }
-    const bool stepped = done.stepped;
-    report.grad_norm = done.grad_norm;
-    scaler_.update_scale(/*found_inf=*/!stepped);
-    fp8_.finish_step(stepped);
-    if (stepped) detail::after_step_taken(masters, data_parallel_.get());
-    ++counters_.steps;
-    consecutive_skips_ = stepped ? 0 : consecutive_skips_ + 1;
-    if (!stepped) {
-      ++counters_.skipped_steps;
-      report.overflow =
-          detail::find_overflow(*model_, masters, losses, data_parallel_ != nullptr);
-    }
-    report.status = stepped ? StepStatus::stepped : StepStatus::skipped;
-    report.step = counters_.steps;
-    {
-      // on_step reads the gradients the step used (gradients()); a model tensor stepped through
-      // another tensor (a master, a piece) shows none of its own. The step is taken: an on_step
-      // that throws (a failed metrics push, a log that cannot be written) leaves no gradient
-      // for a second update, nor the schedule a step behind.
-      detail::OnUnwind finish_anyway([this] { finish_step_quietly(); });
-      tensors_.clear_stand_in_grads();
-      gradients_.open(*optimizer_, done.grad_divisor);
-      notify(report);
-      finish_anyway.dismiss();
-      gradients_.close();
-    }
-    // None stays for an optimizer.step() of the user's to apply a second time (the habit of
-    // Python's `scaler.step(opt); opt.step()`): PyTorch's zero_grad() after the step.
-    tensors_.clear_grads(*optimizer_);
-    schedule_.advance(*optimizer_, counters_.steps);  // last: a bad lr throws after on_step
-    detail::check_consecutive_skips(options_.max_consecutive_skips(), consecutive_skips_,
-                                    report, scaler_.get_scale());
-    return report;
-  }
-
+  // The step, stage by stage (defined below the class: one instantiation per policy, which
+  // the compiled companion provides, trainer/precompiled.hpp). loss_fn is type-erased here,
+  // so that no stage depends on the caller's lambda.
+  StepReport run_step(detail::LossFnRef loss_fn);
+  void start_micro_batch();
+  StepReport backward_micro_batch(const detail::ForwardResult& forward);
+  void optimizer_step(StepReport& report);
+  detail::OptimizerStep take_step(MasterWeights* masters, const at::Tensor& losses,
+                                  bool one_pass);
+  void after_step(const StepReport& report, double grad_divisor);
 
   // load(): the run goes on from the checkpoint's counters. Micro-batches accumulated before
   // belong to another run: their losses (a NaN among them would skip the next step) and
@@ -448,4 +293,48 @@ class Trainer : public detail::TrainerCheckpoints<P> {
   detail::Fp8Layers fp8_;     // MixedFP8: the layers in fp8, their scaling state; else empty
 };
 
+template <class P>
+Trainer<P>::Trainer(std::shared_ptr<torch::nn::Module> model, torch::optim::Optimizer& optimizer,
+                  TrainerOptions options)
+    : model_(detail::checked_model<P>(std::move(model), optimizer)),
+      optimizer_(&optimizer),
+      options_(detail::checked_options<P>(std::move(options), optimizer)),
+      scaler_(detail::make_scaler<P>(options_)),
+      tensors_(*model_, optimizer),
+      schedule_(options_, optimizer) {
+  detail::Fp8Layers::Found fp8_layers;
+  if constexpr (detail::fp8_policy<P>) {
+    MIXPREC_CHECK(!P::recipe::delayed || options_.distributed() == nullptr, "Trainer<",
+                  P::name, "> with TrainerOptions::distributed: delayed scaling's amax "
+                  "histories are per rank and are not reduced across ranks yet; use "
+                  "MixedFP8<TensorwiseScaling> for data parallel");
+    // Throws if there are none, or (block recipes) if a layer's features miss the blocks.
+    fp8_layers = detail::Fp8Layers::find<typename P::recipe>(*model_, P::name);
+  }
+  // All checks passed: from here on the model and optimizer change. Data parallel
+  // (collective): the same model on every rank, then rank 0's values everywhere, before the
+  // masters are made from them.
+  if (const auto* distributed = options_.distributed()) {
+    data_parallel_ = options_.settings().make_step_group(*model_, optimizer, *distributed);
+  }
+  tensors_.take(*model_, optimizer,
+                data_parallel_ && data_parallel_->sharded() ? data_parallel_.get() : nullptr);
+  if (auto* lean = tensors_.lean()) lean->set_rounding(options_.rounding_seed(), 0);
+  if (data_parallel_) tensors_.bind(*data_parallel_, *model_);
+  detail::warn_slow_fp16_convolutions<P>(*model_, options_, tensors_.device_types());
+  detail::warn_slow_bf16<P>(options_, tensors_.device_types());
+  if constexpr (detail::fp8_policy<P>) {
+    fp8_.enable<typename P::recipe>(std::move(fp8_layers), options_.rounding_seed());
+  }
+  schedule_.start(optimizer);  // Python's scheduler constructor step (schedule.hpp)
+}
+
+template <class P>
+Trainer<P>::~Trainer() = default;
+
 }  // namespace mixprec
+
+// The step's stages (defined there), and the compiled companion: the common policies' Trainers
+// declared extern where it is linked.
+#include <mixprec/trainer/trainer_step.hpp>
+#include <mixprec/trainer/precompiled.hpp>
