@@ -17,7 +17,7 @@
 // ATen dispatches to. Every other product stays apart from the sum that uses it: each such
 // pair is computed in two loops through a scratch array of the block, which no compiler
 // contracts into one multiply-add, whatever -ffp-contract says. No AMSGrad: torchao's quantized
-// states cannot take it (torch.maximum is not implemented for them), and the Trainer refuses it.
+// states cannot take it (torchao gives them no torch.maximum), and the Trainer refuses it.
 
 #include <mixprec/core/compat.hpp>
 #include <mixprec/core/cpu_dispatch.hpp>
