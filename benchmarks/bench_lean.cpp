@@ -52,13 +52,16 @@ struct Run {
 };
 
 template <class P>
-Run make_run(std::string name, std::int64_t width, int layers, bool fused) {
+Run make_run(std::string name, std::int64_t width, int layers, bool fused,
+             bool in_backward = false) {
   torch::manual_seed(0);
   auto net = Mlp(width, layers);
   auto optimizer = std::make_shared<torch::optim::AdamW>(net->parameters(),
                                                          torch::optim::AdamWOptions(1e-4));
   auto trainer = std::make_shared<mp::Trainer<P>>(
-      net, *optimizer, mp::TrainerOptions().fused_optimizer(fused && mp::fused_adam_available));
+      net, *optimizer, mp::TrainerOptions()
+                           .fused_optimizer(fused && mp::fused_adam_available)
+                           .step_in_backward(in_backward));
   auto x = torch::randn({1, width});
   auto y = torch::randn({1, width});
   Run run;
@@ -120,6 +123,24 @@ int main(int argc, char** argv) {
           return make_run<mp::PureHalf<at::BFloat16, mp::StochasticRounding<mp::MomentsFp8<>>>>(
               "PureHalf + StochasticRounding<MomentsFp8>", width, layers, true);
         }};
+    // The step inside the backward pass (step_in_backward, LibTorch >= 2.1): one gradient
+    // alive at a time.
+    if (mp::post_accumulate_grad_hooks) {
+      makers.emplace_back([&] {
+        return make_run<mp::MixedO2<at::BFloat16>>("MixedO2<BFloat16>, step in backward", width,
+                                                   layers, true, true);
+      });
+      makers.emplace_back([&] {
+        return make_run<mp::PureHalf<at::BFloat16, mp::StochasticRounding<>>>(
+            "PureHalf + StochasticRounding<BFloat16>, one pass, step in backward", width, layers,
+            true, true);
+      });
+      makers.emplace_back([&] {
+        return make_run<mp::PureHalf<at::BFloat16, mp::StochasticRounding<mp::Moments8bit<>>>>(
+            "PureHalf + StochasticRounding<Moments8bit>, step in backward", width, layers, true,
+            true);
+      });
+    }
     return makers;
   };
   const auto makers = make_runs();
@@ -175,6 +196,9 @@ int main(int argc, char** argv) {
               "*between steps*: Trainer::state_bytes(), summed from the tensors; *+ gradients*: "
               "and the backward pass's gradients (2 bytes per bf16 parameter); *step peak*: the "
               "largest sum of live CPU tensor bytes during a step, from LibTorch's allocator "
-              "reports (tensor_memory.hpp), each variant built and run under its own count.\n");
+              "reports (tensor_memory.hpp), each variant built and run under its own count. *step in "
+              "backward*: TrainerOptions::step_in_backward, each tensor stepped as its gradient "
+              "is complete and the gradient freed (the *+ gradients* column counts them all "
+              "alive at once, as the ordinary step has them).\n");
   return 0;
 }

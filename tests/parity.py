@@ -5,6 +5,8 @@
 MODE is fp32 (plain), bf16 (torch.autocast on the CPU) or fp16 (torch.autocast + the CPU
 GradScaler); branch_fp32 and branch_bf16 train the two-headed model of `branch()` instead, whose
 head b is used on even steps only, with AdamW (a parameter without a gradient is skipped);
+inbackward_fp32 and inbackward_bf16 the same with PyTorch's optimizer-in-backward recipe (an
+AdamW per parameter, stepped by a post-accumulate-grad hook);
 ddp_fp32 and ddp_bf16 train with DistributedDataParallel on Gloo ranks (`ddp()`), and OUTPUT is
 then a prefix: OUTPUT.rankR.txt for each rank R; zero_adamw does the same with DDP and
 ZeroRedundancyOptimizer(AdamW), each step's line starting with the rank's loss; fsdp2_fp32 and
@@ -53,16 +55,33 @@ def branch(mode, data, output_path):
     model.load_state_dict({k[len("param."):]: v for k, v in data.items() if k.startswith("param.")})
     x, y = data["x"], data["y"]
     steps, batch = int(data["steps"]), int(data["batch"])
-    optimizer = torch.optim.AdamW(model.parameters(), lr=float(data["lr"]),
-                                  weight_decay=float(data["weight_decay"]), foreach=False)
+    def adamw(params):
+        return torch.optim.AdamW(params, lr=float(data["lr"]),
+                                 weight_decay=float(data["weight_decay"]), foreach=False)
+    in_backward = "inbackward" in mode
+    if in_backward:
+        # PyTorch's optimizer-in-backward recipe: an optimizer per parameter, stepped by a hook
+        # as soon as that parameter's gradient is accumulated, its gradient freed there.
+        optimizers = {p: adamw([p]) for p in model.parameters()}
+
+        def step_now(p):
+            optimizers[p].step()
+            optimizers[p].zero_grad(set_to_none=True)
+
+        for p in model.parameters():
+            p.register_post_accumulate_grad_hook(step_now)
+    else:
+        optimizer = adamw(model.parameters())
     with open(output_path, "w") as out:
         for step in range(steps):
             xb, yb = x[step * batch:(step + 1) * batch], y[step * batch:(step + 1) * batch]
-            optimizer.zero_grad(set_to_none=True)  # the default from torch 2.0 on, not in 1.13
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=mode == "branch_bf16"):
+            if not in_backward:
+                optimizer.zero_grad(set_to_none=True)  # the default from torch 2.0 on, not in 1.13
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=mode.endswith("_bf16")):
                 loss = torch.nn.functional.cross_entropy(model(xb, step % 2 == 0), yb)
             loss.float().backward()
-            optimizer.step()
+            if not in_backward:
+                optimizer.step()
             values = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
             out.write(" ".join(repr(v) for v in values.tolist()) + "\n")
 
@@ -344,7 +363,7 @@ def main(mode, input_path, output_path):
         return grads(data, output_path)
     if mode == "sr_adamw":
         return sr_adamw(data, output_path)
-    if mode.startswith("branch"):
+    if mode.startswith("branch") or mode.startswith("inbackward"):
         return branch(mode, data, output_path)
     if mode.startswith("ddp") or mode.startswith("zero"):
         return ddp(mode, data, output_path)

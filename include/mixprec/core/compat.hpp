@@ -63,6 +63,9 @@ inline constexpr bool gloo_reduce_scatters = TORCH_VERSION_MAJOR >= 2;
 /// True where LibTorch has the float8 dtypes (e4m3fn, e5m2) and an at::_scaled_mm that returns
 /// one tensor (LibTorch >= 2.5): what MixedFP8 (fp8.hpp) needs.
 inline constexpr bool has_fp8 = MIXPREC_TORCH_AT_LEAST(2, 5);
+/// True where autograd runs a hook after a leaf's gradient is accumulated (LibTorch >= 2.1,
+/// Python's register_post_accumulate_grad_hook): what TrainerOptions::step_in_backward needs.
+inline constexpr bool post_accumulate_grad_hooks = MIXPREC_TORCH_AT_LEAST(2, 1);
 
 namespace detail {
 

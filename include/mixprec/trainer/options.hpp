@@ -94,6 +94,7 @@ struct TrainerSettings {
   std::shared_ptr<torch::optim::LRScheduler> lr_scheduler;
   std::function<double(std::int64_t)> lr_lambda;
   std::uint64_t rounding_seed = 0;
+  bool step_in_backward = false;
 };
 
 // What a policy's options may set: scaler options where its scaler takes them; the fused
@@ -231,6 +232,18 @@ class BasicTrainerOptions {
   /// MixedFP8<NVFP4Scaling<>> draws its gradients' stochastic rounding and its Hadamard signs
   /// from the same seed (fp8/nvfp4.hpp).
   MIXPREC_TRAINER_OPTION(std::uint64_t, rounding_seed)
+
+  /// The optimizer step inside the backward pass (PyTorch's optimizer-in-backward recipe): each
+  /// trained tensor is checked and stepped as soon as its gradient is complete, and that
+  /// gradient freed at once, so that the step holds one tensor's gradient at a time instead of
+  /// all of them (docs/guide.md, "The step inside the backward pass"). The same updates as the
+  /// ordinary step, bit for bit. Needs LibTorch >= 2.1, a policy that scales no loss (fp32,
+  /// bf16), the one-pass step under a lean storage, one process; an Error with clipping by the
+  /// global norm, accumulation_steps > 1, gradient_stats or an fp8 policy, which need every
+  /// gradient before the first update. A loss that is inf/NaN skips the step whole; a gradient
+  /// that is (the loss finite) stops it with an Error that names the tensor, the tensors
+  /// stepped before it updated: restore a checkpoint. on_step's gradients() are gone (freed).
+  MIXPREC_TRAINER_OPTION(bool, step_in_backward)
 
   /// Every value, as the Trainer reads them.
   const detail::TrainerSettings& settings() const noexcept { return settings_; }

@@ -160,9 +160,44 @@ std::shared_ptr<torch::nn::Module> checked_model(std::shared_ptr<torch::nn::Modu
   return model;
 }
 
+// TrainerOptions::step_in_backward: what needs every gradient before the first update is an
+// Error, as is a LibTorch without post-accumulate-grad hooks. (Under a lean storage the one-pass
+// step on the CPU is checked once the Trainer knows where its tensors are.)
+template <class P>
+void check_step_in_backward(const TrainerOptions& options) {
+  if (!options.step_in_backward()) return;
+  const char* const off = ", or turn step_in_backward off";
+  MIXPREC_CHECK(post_accumulate_grad_hooks, "TrainerOptions::step_in_backward needs LibTorch "
+                ">= 2.1 (autograd's post-accumulate-grad hooks); this is LibTorch ",
+                torch_version, ": turn step_in_backward off");
+  MIXPREC_CHECK(options.accumulation_steps() == 1, "TrainerOptions::step_in_backward with "
+                "accumulation_steps ", options.accumulation_steps(), ": each tensor is stepped "
+                "as its gradient is complete, so there is nothing to accumulate into; use "
+                "accumulation_steps 1", off);
+  MIXPREC_CHECK(!options.max_grad_norm(), "TrainerOptions::step_in_backward with max_grad_norm: "
+                "clipping by the global norm needs every gradient before the first update; "
+                "drop max_grad_norm, or keep it with the ordinary step (step_in_backward off: "
+                "the backward pass, then the clipped step)");
+  MIXPREC_CHECK((std::is_same_v<typename P::scaler_type, NoScaler>), "TrainerOptions::"
+                "step_in_backward under Trainer<", P::name, ">, which scales its loss: an "
+                "overflow found in one tensor's gradient must skip the whole step, which the "
+                "tensors stepped before it have taken; use a policy that scales no loss (fp32, "
+                "bf16)", off);
+  MIXPREC_CHECK(options.distributed() == nullptr, "TrainerOptions::step_in_backward with "
+                "TrainerOptions::distributed: not supported yet (the gradients are averaged "
+                "across ranks after the backward pass)", off);
+  MIXPREC_CHECK(options.gradient_stats().every() == 0, "TrainerOptions::step_in_backward with "
+                "gradient_stats: the gradients are freed as they are stepped; turn "
+                "gradient_stats off", off);
+  MIXPREC_CHECK(!fp8_policy<P>, "TrainerOptions::step_in_backward under Trainer<", P::name,
+                ">: fp8's scaling state is checked for inf/NaN with the whole step's gradients",
+                off);
+}
+
 template <class P>
 TrainerOptions checked_options(TrainerOptions options, const torch::optim::Optimizer& optimizer) {
   check_options(options);
+  check_step_in_backward<P>(options);
   check_fused<P>(options, optimizer);
   if constexpr (lean_state<P>) check_lean_optimizer<P>(optimizer);
   if (options.settings().shard_optimizer_state) {

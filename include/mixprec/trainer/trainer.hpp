@@ -25,6 +25,7 @@
 #include <mixprec/fp8/layers.hpp>
 #include <mixprec/precision/own_outputs.hpp>
 #include <mixprec/scaling/scalers.hpp>
+#include <mixprec/trainer/backward_step.hpp>
 #include <mixprec/trainer/checkpoints.hpp>
 #include <mixprec/trainer/forward.hpp>
 #include <mixprec/trainer/gradient_reports.hpp>
@@ -139,6 +140,9 @@ class Trainer : public detail::TrainerCheckpoints<P> {
   /// fp32 masters' (the model's own .grad() is none there), sharded this rank's part. An Error
   /// elsewhere (trainer/step_gradients.hpp).
   torch::OrderedDict<std::string, StepGradient> gradients() const {
+    MIXPREC_CHECK(!backward_step_, "Trainer::gradients() under TrainerOptions::"
+                  "step_in_backward: each gradient was freed as soon as its tensor was stepped, "
+                  "inside the backward pass; turn step_in_backward off to read them in on_step");
     return gradients_.read(*model_, *optimizer_, tensors_.masters(), data_parallel_.get());
   }
 
@@ -194,6 +198,9 @@ class Trainer : public detail::TrainerCheckpoints<P> {
   StepReport run_step(detail::LossFnRef loss_fn);
   void start_micro_batch();
   StepReport backward_micro_batch(const detail::ForwardResult& forward);
+  StepReport step_in_backward(const detail::ForwardResult& forward);
+  bool step_leaf(const at::Tensor& leaf, const at::Tensor& loss);
+  std::vector<std::pair<std::string, at::Tensor>> trained_leaves() const;
   void optimizer_step(StepReport& report);
   detail::OptimizerStep take_step(MasterWeights* masters, const at::Tensor& losses,
                                   bool one_pass);
@@ -291,6 +298,8 @@ class Trainer : public detail::TrainerCheckpoints<P> {
   at::Tensor loss_sum_;       // their losses: inf/NaN in any of them skips the step
   at::Tensor last_graph_;     // the last loss with its graph, until the next forward has run
   detail::Fp8Layers fp8_;     // MixedFP8: the layers in fp8, their scaling state; else empty
+  // TrainerOptions::step_in_backward: the hooks that step each tensor in the backward pass.
+  std::unique_ptr<detail::BackwardStep> backward_step_;
 };
 
 template <class P>
@@ -311,6 +320,14 @@ Trainer<P>::Trainer(std::shared_ptr<torch::nn::Module> model, torch::optim::Opti
     // Throws if there are none, or (block recipes) if a layer's features miss the blocks.
     fp8_layers = detail::Fp8Layers::find<typename P::recipe>(*model_, P::name);
   }
+  if constexpr (detail::lean_state<P>) {
+    MIXPREC_CHECK(!options_.step_in_backward() ||
+                      detail::one_pass_step<P>(options_.fused_optimizer(), tensors_.cpu_only()),
+                  "TrainerOptions::step_in_backward under Trainer<", P::name, ">: its lean "
+                  "storage steps one tensor at a time in the one-pass step only, which needs "
+                  "fused_optimizer(true) and the model on the CPU; set it, or turn "
+                  "step_in_backward off");
+  }
   // All checks passed: from here on the model and optimizer change. Data parallel
   // (collective): the same model on every rank, then rank 0's values everywhere, before the
   // masters are made from them.
@@ -327,6 +344,7 @@ Trainer<P>::Trainer(std::shared_ptr<torch::nn::Module> model, torch::optim::Opti
     fp8_.enable<typename P::recipe>(std::move(fp8_layers), options_.rounding_seed());
   }
   schedule_.start(optimizer);  // Python's scheduler constructor step (schedule.hpp)
+  if (options_.step_in_backward()) backward_step_ = std::make_unique<detail::BackwardStep>();
 }
 
 template <class P>

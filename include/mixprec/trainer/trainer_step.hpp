@@ -9,7 +9,10 @@
 
 #include <ATen/ATen.h>
 
+#include <cmath>
+#include <string>
 #include <utility>
+#include <vector>
 
 namespace mixprec {
 
@@ -28,6 +31,7 @@ StepReport Trainer<P>::run_step(detail::LossFnRef loss_fn) {
   // run, as the `loss` variable of a hand-written loop keeps it: the parameters' gradient
   // accumulators are then reused instead of made anew each step.
   last_graph_ = forward.loss;
+  if (backward_step_) return step_in_backward(forward);
   // The partial sums go back where the backward pass adds to them; should anything below
   // throw, they are held aside again, as between any two calls.
   tensors_.release_grads();
@@ -138,6 +142,84 @@ void Trainer<P>::optimizer_step(StepReport& report) {
   report.status = stepped ? StepStatus::stepped : StepStatus::skipped;
   report.step = counters_.steps;
   after_step(report, done.grad_divisor);
+}
+
+// TrainerOptions::step_in_backward: the backward pass steps each trained tensor as soon as its
+// gradient is complete (step_leaf, called by BackwardStep's hooks); what follows is the ordinary
+// step's end. A loss that is inf/NaN skips the step whole, before any gradient exists.
+template <class P>
+StepReport Trainer<P>::step_in_backward(const detail::ForwardResult& forward) {
+  StepReport report;
+  report.scale = engine_.get_scale();
+  report.lr = schedule_.lr(*optimizer_);
+  report.non_finite_op = forward.non_finite_op;
+  report.loss = forward.loss.detach();
+  const bool finite = std::isfinite(report.loss.template item<double>());
+  if (finite) {
+    backward_step_->install(trained_leaves());
+    try {
+      {
+        const auto armed = backward_step_->arm(
+            [this, &report](const at::Tensor& leaf) { return step_leaf(leaf, report.loss); });
+        engine_.scale(forward.loss).backward();
+      }
+      backward_step_->finish(counters_.steps + 1);
+    } catch (...) {
+      tensors_.clear_grads(*optimizer_);
+      throw;
+    }
+    // A lean storage's round is counted, as after the ordinary step (stochastic rounding's
+    // bits depend on it); fp32 masters were rounded into the model tensor by tensor.
+    if constexpr (detail::lean_pass_storage<P>) {
+      if (auto* const masters = tensors_.masters()) masters->copy_to_model();
+    }
+    at::autocast::clear_cache();  // autocast's casts of the old weights
+  }
+  ++counters_.micro_batches;
+  report.micro_batch = 1;
+  scaler_.update_scale(/*found_inf=*/!finite);
+  ++counters_.steps;
+  consecutive_skips_ = finite ? 0 : consecutive_skips_ + 1;
+  if (!finite) ++counters_.skipped_steps;
+  report.status = finite ? StepStatus::stepped : StepStatus::skipped;
+  report.step = counters_.steps;
+  after_step(report, 1.0);
+  return report;
+}
+
+// One tensor's step inside the backward pass: the ordinary step's passes over the one gradient
+// that exists now (every other is none), the master written into the model, the gradients freed.
+// False where the gradient held inf/NaN: nothing stepped.
+template <class P>
+bool Trainer<P>::step_leaf(const at::Tensor& leaf, const at::Tensor& loss) {
+  auto* const masters = tensors_.masters();
+  const auto master = masters != nullptr ? masters->master_of(leaf) : at::Tensor();
+  const bool one_pass = detail::one_pass_step<P>(options_.fused_optimizer(), tensors_.cpu_only());
+  const auto done = take_step(masters, loss, one_pass);
+  const at::NoGradGuard no_grad;
+  // fp32 masters (MixedO2's): rounded into the model; lean ones updated it in place.
+  if (done.stepped && master.defined() && !master.is_same(leaf) &&
+      !detail::lean_pass_storage<P>) {
+    leaf.copy_(master);
+  }
+  leaf.mutable_grad().reset();
+  if (master.defined()) master.mutable_grad().reset();
+  return done.stepped;
+}
+
+// The model parameters the optimizer trains, directly or through a master, each once.
+template <class P>
+std::vector<std::pair<std::string, at::Tensor>> Trainer<P>::trained_leaves() const {
+  const auto trained = detail::identities(detail::optimizer_tensors(*optimizer_));
+  const auto* const masters = tensors_.masters();
+  std::vector<std::pair<std::string, at::Tensor>> leaves;
+  for (const auto& [name, p] : detail::unique_named(model_->named_parameters())) {
+    if (!p.requires_grad()) continue;
+    auto holder = masters != nullptr ? masters->master_of(p) : at::Tensor();
+    if (!holder.defined()) holder = p;
+    if (trained.count(detail::id_of(holder)) != 0) leaves.emplace_back(name, p);
+  }
+  return leaves;
 }
 
 // Unscale, check, clip and step (or skip), with the lean storage's values made for it: in one
