@@ -224,10 +224,6 @@ TEST_CASE("step_in_backward: what it cannot keep is an Error, nothing changed") 
   // (Before LibTorch 2.4 a Half policy refuses a CPU model before it reads its options.)
   if (mp::cpu_half_math) refused(mp::MixedO2<at::Half>{}, mp::TrainerOptions(), "scales its loss");
   refused(Stochastic{}, mp::TrainerOptions(), "fused_optimizer(true)");
-  // (Before LibTorch 2.5 there is no fp8 to refuse.)
-  if (mp::has_fp8) {
-    refused(mp::MixedFP8<mp::TensorwiseScaling>{}, mp::TrainerOptions(), "fp8's scaling state");
-  }
 }
 
 TEST_CASE("step_in_backward: on_step's gradients() are an Error, the report is the step's" *
