@@ -16,6 +16,10 @@
 //   masked_attention_tagger --compare --width 128 --policies fp32,bf16,fp8,mxfp8,nvfp4
 //       the block-scaled recipes (mxfp8, mxfp8-rceil, blockwise, nvfp4) need widths their
 //       blocks tile: 32 (MXFP8), 128 (blockwise), 16 (NVFP4); the default width is 32
+//   masked_attention_tagger --compare --seeds 5 --policies bf16,mxfp8,...
+//       each policy from seeds 0..4 (initial weights and data), the first policy the reference:
+//       the mean accuracy, and the mean paired difference to the reference with its standard
+//       error and the worst seed's
 //   masked_attention_tagger --advise                mixprec::advise's verdict on the model
 //   masked_attention_tagger --keep-fp32 PATTERN     (repeatable) a precision map: advise's for
 //       the policy, plus these modules kept in fp32 (e.g. `out`, the classifier), then train
@@ -25,7 +29,9 @@
 #include <torch/torch.h>
 
 #include <chrono>
+#include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstdlib>
 #include <iomanip>
 #include <iostream>
@@ -102,11 +108,13 @@ struct Result {
   std::int64_t skipped = 0;
 };
 
-// Trains a fresh tagger (seed 0, the same data) under P for `steps` steps and tests it.
+// Trains a fresh tagger (initial weights from `seed`, the data from seed + 1) under P for
+// `steps` steps and tests it.
 template <class P>
-Result train(int steps, const std::vector<std::string>& keep_fp32, bool verbose, std::int64_t width) {
-  torch::manual_seed(0);
-  auto generator = torch::make_generator<at::CPUGeneratorImpl>(1);
+Result train(int steps, const std::vector<std::string>& keep_fp32, bool verbose, std::int64_t width,
+             std::uint64_t seed) {
+  torch::manual_seed(seed);
+  auto generator = torch::make_generator<at::CPUGeneratorImpl>(seed + 1);
   Tagger tagger(width);
   const auto measure = [&] {  // before the Trainer casts the model: advise measures it in fp32
     return mixprec::advise(tagger, [&] {
@@ -165,17 +173,17 @@ template <class Tensorwise = mixprec::TensorwiseScaling, class Delayed = mixprec
           class MxFloor = mixprec::MXFP8Scaling<>, class MxRceil = mixprec::MXFP8Scaling<mixprec::MxScale::rceil>,
           class Blockwise = mixprec::BlockwiseFP8Scaling, class Nvfp4 = mixprec::NVFP4>
 Result train_named(const std::string& policy, int steps, const std::vector<std::string>& keep_fp32,
-                   bool verbose, std::int64_t width) {
-  if (policy == "fp32") return train<mixprec::FullPrecision>(steps, keep_fp32, verbose, width);
-  if (policy == "bf16") return train<mixprec::MixedO2<at::BFloat16>>(steps, keep_fp32, verbose, width);
+                   bool verbose, std::int64_t width, std::uint64_t seed = 0) {
+  if (policy == "fp32") return train<mixprec::FullPrecision>(steps, keep_fp32, verbose, width, seed);
+  if (policy == "bf16") return train<mixprec::MixedO2<at::BFloat16>>(steps, keep_fp32, verbose, width, seed);
   if constexpr (mixprec::has_fp8) {
     // The classifier `out` stays bf16, as torchao and Transformer Engine advise for the last layer.
-    if (policy == "fp8") return train<mixprec::MixedFP8<Tensorwise>>(steps, keep_fp32, verbose, width);
-    if (policy == "fp8-delayed") return train<mixprec::MixedFP8<Delayed>>(steps, keep_fp32, verbose, width);
-    if (policy == "mxfp8") return train<mixprec::MixedFP8<MxFloor>>(steps, keep_fp32, verbose, width);
-    if (policy == "mxfp8-rceil") return train<mixprec::MixedFP8<MxRceil>>(steps, keep_fp32, verbose, width);
-    if (policy == "blockwise") return train<mixprec::MixedFP8<Blockwise>>(steps, keep_fp32, verbose, width);
-    if (policy == "nvfp4") return train<mixprec::MixedFP8<Nvfp4>>(steps, keep_fp32, verbose, width);
+    if (policy == "fp8") return train<mixprec::MixedFP8<Tensorwise>>(steps, keep_fp32, verbose, width, seed);
+    if (policy == "fp8-delayed") return train<mixprec::MixedFP8<Delayed>>(steps, keep_fp32, verbose, width, seed);
+    if (policy == "mxfp8") return train<mixprec::MixedFP8<MxFloor>>(steps, keep_fp32, verbose, width, seed);
+    if (policy == "mxfp8-rceil") return train<mixprec::MixedFP8<MxRceil>>(steps, keep_fp32, verbose, width, seed);
+    if (policy == "blockwise") return train<mixprec::MixedFP8<Blockwise>>(steps, keep_fp32, verbose, width, seed);
+    if (policy == "nvfp4") return train<mixprec::MixedFP8<Nvfp4>>(steps, keep_fp32, verbose, width, seed);
   } else if (low_bit(policy)) {
     throw std::runtime_error("fp8 needs LibTorch >= 2.5; this is LibTorch " +
                              std::string(mixprec::torch_version));
@@ -195,10 +203,48 @@ std::string policy_name(const std::string& policy) {
   return "MixedFP8<NVFP4Scaling>";
 }
 
+// --compare --seeds N: every policy from seeds 0..N-1; each seed's accuracy against the first
+// policy's from the same seed (the same initial weights and data), so that what the seeds share
+// cancels. Information, not a test: exits 0 unless a run fails.
+int compare_seeds(const std::vector<std::string>& policies, int seeds, int steps,
+                  const std::vector<std::string>& keep_fp32, std::int64_t width) {
+  std::vector<double> reference;
+  std::cout << "| policy | mean test token accuracy | vs " << policy_name(policies.front())
+            << ", mean pp | standard error pp | worst seed pp | train s (mean) |\n"
+            << "|---|---:|---:|---:|---:|---:|\n";
+  for (const auto& p : policies) {
+    std::vector<double> accuracy, points;
+    double seconds = 0;
+    for (int seed = 0; seed < seeds; ++seed) {
+      const auto r = train_named(p, steps, keep_fp32, /*verbose=*/false, width,
+                                 static_cast<std::uint64_t>(seed));
+      accuracy.push_back(r.accuracy);
+      seconds += r.seconds / seeds;
+      std::cerr << p << " seed " << seed << ": accuracy " << r.accuracy << ", " << r.skipped
+                << " skipped steps\n";
+    }
+    if (reference.empty()) reference = accuracy;
+    double mean = 0, mean_points = 0, worst = 1e9;
+    for (int seed = 0; seed < seeds; ++seed) {
+      points.push_back(100 * (accuracy[seed] - reference[seed]));
+      mean += accuracy[seed] / seeds;
+      mean_points += points.back() / seeds;
+      worst = std::min(worst, points.back());
+    }
+    double variance = 0;
+    for (const double d : points) variance += (d - mean_points) * (d - mean_points) / (seeds - 1);
+    std::cout << "| " << policy_name(p) << " | " << std::fixed << std::setprecision(4) << mean
+              << " | " << std::showpos << std::setprecision(2) << mean_points << " | "
+              << std::noshowpos << std::sqrt(variance / seeds) << " | " << std::showpos << worst
+              << std::noshowpos << " | " << std::setprecision(1) << seconds << " |\n";
+  }
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
-  int steps = 400;
+  int steps = 400, seeds = 1;
   std::int64_t width = 32;
   bool advise = false, compare = false;
   std::string policy = "bf16";
@@ -217,6 +263,8 @@ int main(int argc, char** argv) {
       policy = argv[++i];
     } else if (arg == "--keep-fp32" && i + 1 < argc) {
       keep_fp32.emplace_back(argv[++i]);
+    } else if (arg == "--seeds" && i + 1 < argc) {
+      seeds = std::atoi(argv[++i]);
     } else if (arg == "--width" && i + 1 < argc) {
       width = std::atoll(argv[++i]);
     } else if (arg == "--policies" && i + 1 < argc) {
@@ -225,12 +273,12 @@ int main(int argc, char** argv) {
     } else {
       std::cerr << "usage: " << argv[0] << " [--steps N] [--smoke] [--advise] [--compare] "
                 << "[--policy fp32|bf16|fp8|fp8-delayed|mxfp8|mxfp8-rceil|blockwise|nvfp4] "
-                << "[--width D] [--policies P,P,...] [--keep-fp32 PATTERN]...\n";
+                << "[--width D] [--policies P,P,...] [--seeds N] [--keep-fp32 PATTERN]...\n";
       return 2;
     }
   }
-  if (steps < 1 || width < 1) {
-    std::cerr << "usage: " << argv[0] << " [--steps N] [--smoke]   (N >= 1)\n";
+  if (steps < 1 || width < 1 || seeds < 1) {
+    std::cerr << "usage: " << argv[0] << " [--steps N] [--width D] [--seeds N]   (each >= 1)\n";
     return 2;
   }
   if (advise) {
@@ -254,6 +302,7 @@ int main(int argc, char** argv) {
   std::vector<std::string> policies{"fp32", "bf16"};
   if (mixprec::has_fp8) policies.insert(policies.end(), {"fp8", "fp8-delayed"});
   if (!chosen.empty()) policies = chosen;
+  if (seeds > 1) return compare_seeds(policies, seeds, steps, keep_fp32, width);
   std::cout << "| policy | test token accuracy | vs FullPrecision | skipped steps | train s |\n"
             << "|---|---|---|---|---|\n";
   double reference = 0;

@@ -230,7 +230,11 @@ def fsdp2_rank(rank, mode, data, prefix, store):
         with torch.no_grad():
             for _ in range(2):
                 write_line(out, [model(data["x.eval"])])
-    dist.destroy_process_group()
+    # Leave without tearing down, as ddp_rank does: destroying the Gloo group can end in
+    # "terminate called without an active exception" (SIGABRT) while a peer is still tearing
+    # down, seen under load. The barrier first, so that no peer is inside a collective.
+    dist.barrier()
+    os._exit(0)
 
 
 def fsdp2(mode, data, prefix):

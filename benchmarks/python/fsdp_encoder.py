@@ -244,7 +244,10 @@ def main():
                 f"ms {times[-1] if times else 0:.1f} "
                 + " ".join(f"{name} {peak:.1f}" for name, peak in phases.peaks)
                 + " losses " + " ".join(f"{l:.9g}" for l in losses) + "\n")
-    dist.destroy_process_group()
+    # No destroy_process_group(): tearing the Gloo group down can abort a rank (SIGABRT,
+    # "terminate called without an active exception") while a peer still tears down.
+    dist.barrier()
+    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -3617,6 +3617,15 @@ TEST_CASE("distributed: bad DistributedOptions are an Error before the model cha
                          doctest::Contains("gradient_stats with DistributedOptions::shard_optimizer_state"),
                          mp::Error);
   }
+  SUBCASE("the step inside the backward pass (the gradients are averaged after it)") {
+    CHECK_THROWS_WITH_AS(mp::Trainer<mp::FullPrecision>(net, *optimizer,
+                             mp::TrainerOptions().step_in_backward(true)
+                                 .distributed(mp::DistributedOptions(group))),
+                         doctest::Contains(mp::post_accumulate_grad_hooks
+                                               ? "step_in_backward with TrainerOptions::distributed"
+                                               : "needs LibTorch >= 2.1"),
+                         mp::Error);
+  }
   CHECK(identical(net->parameters(), before));
   CHECK(optimizer->state().empty());
   // Nothing is held: the model trains under a new Trainer.

@@ -696,6 +696,18 @@ TEST_CASE("MixedFP8 Errors name the module and change nothing" * doctest::skip(!
     torch::optim::SGD sgd2(mixed->parameters(), torch::optim::SGDOptions(0.1));
     mp::Trainer<P> trainer(mixed, sgd2);
     CHECK(mixed[0]->as<mp::nn::Float8LinearImpl>()->computes_fp8());
+
+    // The step inside the backward pass: the fp8 scales see the whole step's gradients first.
+    torch::nn::Sequential fresh(mp::nn::Float8Linear(8, 8), torch::nn::ReLU(), mp::nn::Float8Linear(8, 2));
+    const auto before = fresh->parameters()[0].clone();
+    torch::optim::AdamW adamw(fresh->parameters(), torch::optim::AdamWOptions(1e-2));
+    CHECK_THROWS_WITH_AS((mp::Trainer<P>(fresh, adamw, mp::TrainerOptions().step_in_backward(true))),
+                         doctest::Contains(mp::post_accumulate_grad_hooks ? "fp8's scaling state" : "2.1"),
+                         mp::Error);
+    CHECK(fresh->parameters()[0].scalar_type() == at::kFloat);
+    CHECK(at::equal(fresh->parameters()[0], before));
+    CHECK_FALSE(fresh[0]->as<mp::nn::Float8LinearImpl>()->computes_fp8());
+    CHECK(adamw.state().empty());
   });
 }
 

@@ -154,13 +154,15 @@ StepReport Trainer<P>::step_in_backward(const detail::ForwardResult& forward) {
   report.lr = schedule_.lr(*optimizer_);
   report.non_finite_op = forward.non_finite_op;
   report.loss = forward.loss.detach();
-  const bool finite = std::isfinite(report.loss.template item<double>());
+  // Read once: each tensor's step then checks this host copy, not the device's loss again.
+  const auto host_loss = report.loss.to(at::kCPU);
+  const bool finite = std::isfinite(host_loss.template item<double>());
   if (finite) {
     backward_step_->install(trained_leaves());
     try {
       {
         const auto armed = backward_step_->arm(
-            [this, &report](const at::Tensor& leaf) { return step_leaf(leaf, report.loss); });
+            [this, &host_loss](const at::Tensor& leaf) { return step_leaf(leaf, host_loss); });
         engine_.scale(forward.loss).backward();
       }
       backward_step_->finish(counters_.steps + 1);
