@@ -2732,10 +2732,11 @@ void case_on_step_gradients(Rank& r) {
 
 // Two adapted layers on a frozen base and a head trained whole (LoraOptions::trainable), as
 // examples/encoder fine-tunes with --lora.
+// The adapted layers sit in units ZeRO-3 can shard (Mappable<Sequential>).
 struct LoraNetImpl : torch::nn::Module {
   LoraNetImpl() {
-    fc1 = register_module("fc1", mp::nn::Linear(8, 32));
-    fc2 = register_module("fc2", mp::nn::Linear(32, 32));
+    fc1 = register_module("fc1", mp::nn::Mappable<torch::nn::Sequential>(mp::nn::Linear(8, 32)));
+    fc2 = register_module("fc2", mp::nn::Mappable<torch::nn::Sequential>(mp::nn::Linear(32, 32)));
     head = register_module("head", mp::nn::Linear(32, 4));
   }
   torch::Tensor forward(torch::Tensor x) {
@@ -2743,7 +2744,8 @@ struct LoraNetImpl : torch::nn::Module {
     x = torch::relu(fc2->forward(x));
     return head->forward(x);
   }
-  mp::nn::Linear fc1{nullptr}, fc2{nullptr}, head{nullptr};
+  mp::nn::Mappable<torch::nn::Sequential> fc1{nullptr}, fc2{nullptr};
+  mp::nn::Linear head{nullptr};
 };
 TORCH_MODULE(LoraNet);
 
@@ -2751,7 +2753,7 @@ TORCH_MODULE(LoraNet);
 LoraNet lora_net(std::uint64_t seed, mp::LoraBase base) {
   torch::manual_seed(static_cast<std::int64_t>(seed));
   LoraNet net;
-  mp::apply_lora(net.ptr(), {"fc1", "fc2"},
+  mp::apply_lora(net.ptr(), {"fc1.0", "fc2.0"},
                  mp::LoraOptions().rank(4).alpha(8).seed(5).base(base).trainable({"head"}));
   return net;
 }
@@ -2764,7 +2766,8 @@ struct LoraRun {
 // Four SGD steps with momentum under MixedO2<BFloat16>, with clipping (SGD, as the other
 // equivalence cases: AdamW's normalisation lifts a gradient's rounding on an element near zero
 // to a whole step, measured 0.10 relative under LibTorch 1.13's bf16 kernels): in one process on the whole batch
-// (`r` null), or on this rank's rows; `stage` 0: unsharded data parallel over `counter`, 2: ZeRO-2.
+// (`r` null), or on this rank's rows; `stage` 0: unsharded data parallel over `counter`, 2: ZeRO-2,
+// 3: ZeRO-3 with the adapted layers' blocks as units (the frozen base in them, never trained).
 LoraRun train_lora(Rank* r, mp::LoraBase base, int stage, const std::vector<Batch>& data,
                    const c10::intrusive_ptr<CountingGroup>& counter = {}) {
   using P = mp::MixedO2<at::BFloat16>;
@@ -2772,8 +2775,9 @@ LoraRun train_lora(Rank* r, mp::LoraBase base, int stage, const std::vector<Batc
   torch::optim::SGD optimizer(mp::trainable_parameters(*net), torch::optim::SGDOptions(1.0 / 16).momentum(0.5));
   auto options = mp::TrainerOptions().max_grad_norm(1.0);
   if (r != nullptr) {
-    options.distributed(stage == 0 ? mp::DistributedOptions(counter)
-                                   : zero_options(*r, stage));
+    options.distributed(stage == 0   ? mp::DistributedOptions(counter)
+                        : stage == 3 ? zero_options(*r, 2).shard_parameters({"fc1", "fc2"})
+                                     : zero_options(*r, stage));
   }
   mp::Trainer<P> trainer(net, optimizer, options);
   const std::int64_t rows = data.front().x.size(0) / (r == nullptr ? 1 : r->world);
@@ -2811,20 +2815,25 @@ LoraRun train_lora(Rank* r, mp::LoraBase base, int stage, const std::vector<Batc
     const auto bytes = trainer.state_bytes();
     RANK_EXPECT(bytes.masters == 4 * trained_elements, bytes.masters << " of " << 4 * trained_elements);
     RANK_EXPECT(bytes.optimizer == 4 * trained_elements, bytes.optimizer << " for " << trained_elements);
+  } else if (stage == 3) {
+    // Sharded: this rank holds its slices of the adapters' masters, the head's whole.
+    const auto bytes = trainer.state_bytes();
+    RANK_EXPECT(bytes.masters < 4 * trained_elements, bytes.masters << " of " << 4 * trained_elements);
   }
   return run;
 }
 
 // apply_lora's model on 2 ranks, each half of the batch, trains as one process on the whole
 // batch: the adapters and the head within MixedO2's data-parallel bound, the frozen base
-// (bf16, and fp8 where LibTorch has it) bitwise rank 0's, reduced never; ZeRO-2 likewise.
+// (bf16, and fp8 where LibTorch has it) bitwise rank 0's, reduced never; ZeRO-2 and ZeRO-3
+// likewise.
 void case_lora(Rank& r) {
   const auto data = batches(4, 16, /*inf_step=*/-1);
   std::vector<mp::LoraBase> bases{mp::LoraBase::bf16};
   if constexpr (mp::has_fp8) bases.push_back(mp::LoraBase::fp8_rowwise);
   for (const auto base : bases) {
     const auto single = train_lora(nullptr, base, 0, data);
-    for (const int stage : {0, 2}) {
+    for (const int stage : {0, 2, 3}) {
       auto counter = c10::make_intrusive<CountingGroup>(r.group);
       const auto dist = train_lora(&r, base, stage, data, stage == 0 ? counter : c10::intrusive_ptr<CountingGroup>());
       const double difference = max_relative(dist.trained, single.trained);
@@ -3186,7 +3195,7 @@ TEST_CASE("distributed: checkpointed blocks train as without checkpointing, bitw
   require_all_passed(run_ranks("checkpointed", 2));
 }
 
-TEST_CASE("distributed: LoRA on a frozen bf16 (and fp8) base, 2 ranks x half the batch train as 1 process (MixedO2<BFloat16>, unsharded and ZeRO-2); the base never reduced") {
+TEST_CASE("distributed: LoRA on a frozen bf16 (and fp8) base, 2 ranks x half the batch train as 1 process (MixedO2<BFloat16>, unsharded, ZeRO-2 and ZeRO-3); the base never reduced") {
   require_all_passed(run_ranks("lora", 2));
 }
 
