@@ -28,8 +28,8 @@
 
 #include <torch/torch.h>
 
-#include <chrono>
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
