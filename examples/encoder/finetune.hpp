@@ -26,9 +26,12 @@ struct Batch {
 };
 
 /// Examples [begin, end) of `examples` in `order`, tokenized, at most `max_length` ids each.
+/// `multiple`: the batch's tokens (examples x padded length) made a multiple of it by more
+/// padding, which the mask hides (the block-scaled fp8 recipes sum the weight gradient over
+/// the tokens in blocks of 16, 32 or 128).
 inline Batch make_batch(const WordPiece& tokenizer, const std::vector<Example>& examples,
                         const std::vector<std::int64_t>& order, std::size_t begin, std::size_t end,
-                        std::size_t max_length) {
+                        std::size_t max_length, std::size_t multiple = 1) {
   std::vector<std::vector<std::int64_t>> rows;
   std::size_t longest = 0;
   std::vector<std::int64_t> labels;
@@ -38,6 +41,7 @@ inline Batch make_batch(const WordPiece& tokenizer, const std::vector<Example>& 
     longest = std::max(longest, rows.back().size());
     labels.push_back(example.label);
   }
+  while ((rows.size() * longest) % multiple != 0) ++longest;
   const auto n = static_cast<std::int64_t>(rows.size()), t = static_cast<std::int64_t>(longest);
   auto ids = torch::full({n, t}, tokenizer.pad(), torch::kLong);
   auto mask = torch::zeros({n, t}, torch::kLong);

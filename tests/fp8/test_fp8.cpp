@@ -708,6 +708,42 @@ TEST_CASE("MixedFP8 Errors name the module and change nothing" * doctest::skip(!
     CHECK(at::equal(fresh->parameters()[0], before));
     CHECK_FALSE(fresh[0]->as<mp::nn::Float8LinearImpl>()->computes_fp8());
     CHECK(adamw.state().empty());
+
+    // A LoRA adapter on a layer that would compute in fp8: refused, nothing changed; kept in
+    // bf16 by a precision map, it trains beside a layer in fp8.
+    torch::manual_seed(0);
+    torch::nn::Sequential adapted(mp::nn::Float8Linear(8, 8), torch::nn::ReLU(), mp::nn::Float8Linear(8, 2));
+    mp::apply_lora(adapted.ptr(), {"0"}, mp::LoraOptions().rank(2).seed(1));
+    const auto base = adapted[0]->as<mp::nn::Float8LinearImpl>()->weight.clone();
+    torch::optim::AdamW lora_adam(mp::trainable_parameters(*adapted.ptr()), torch::optim::AdamWOptions(1e-2));
+    CHECK_THROWS_WITH_AS((mp::Trainer<P>(adapted, lora_adam)),
+                         doctest::Contains("LoRA adapters sit on Float8Linear layers that would "
+                                           "compute in fp8: '0'"), mp::Error);
+    CHECK(at::equal(adapted[0]->as<mp::nn::Float8LinearImpl>()->weight, base));
+    CHECK_FALSE(adapted[0]->as<mp::nn::Float8LinearImpl>()->computes_fp8());
+    CHECK(lora_adam.state().empty());
+    mp::apply_precision_map<P>(adapted, mp::PrecisionMap().add("0", mp::Precision::low));
+    {
+      mp::Trainer<P> lora_trainer(adapted, lora_adam);
+      CHECK_FALSE(adapted[0]->as<mp::nn::Float8LinearImpl>()->computes_fp8());
+      CHECK(adapted[2]->as<mp::nn::Float8LinearImpl>()->computes_fp8());
+      const auto report = lora_trainer.step([&] {
+        return adapted->forward(lora_trainer.cast_input(torch::randn({16, 8}))).to(at::kFloat).pow(2).mean();
+      });
+      CHECK(report.stepped());
+      CHECK(at::equal(adapted[0]->as<mp::nn::Float8LinearImpl>()->weight.to(at::kFloat),
+                      base.to(at::kBFloat16).to(at::kFloat)));  // frozen
+      CHECK(adapted[0]->named_parameters()["lora_B.weight"].ne(0).any().item<bool>());  // trained
+    }
+    // Adapters after the Trainer turned fp8 on: refused, the layer still in fp8.
+    torch::nn::Sequential late(mp::nn::Float8Linear(8, 8));
+    torch::optim::SGD late_sgd(late->parameters(), torch::optim::SGDOptions(0.1));
+    mp::Trainer<P> late_trainer(late, late_sgd);
+    CHECK_THROWS_WITH_AS(mp::apply_lora(late.ptr(), {"0"}, mp::LoraOptions().rank(2)),
+                         doctest::Contains("apply the adapters before constructing the Trainer"),
+                         mp::Error);
+    CHECK_FALSE(late[0]->as<mp::nn::Float8LinearImpl>()->adapter);
+    CHECK(late[0]->as<mp::nn::Float8LinearImpl>()->computes_fp8());
   });
 }
 

@@ -28,17 +28,22 @@ namespace {
 // Debian's python3 (torch 1.13) has no peft.
 constexpr bool kNoPeftPython = TORCH_VERSION_MAJOR < 2;
 
-struct Net : torch::nn::Module {
-  Net() {
-    fc1 = register_module("fc1", mp::nn::Linear(16, 32));
-    fc2 = register_module("fc2", mp::nn::Linear(32, 32));
-    head = register_module("head", mp::nn::Linear(32, 4));
+// Three linear layers of type L: mixprec::nn::Linear, or Float8Linear (an nn::Linear under
+// every policy but MixedFP8).
+template <class L>
+struct NetOf : torch::nn::Module {
+  NetOf() {
+    fc1 = register_module("fc1", L(16, 32));
+    fc2 = register_module("fc2", L(32, 32));
+    head = register_module("head", L(32, 4));
   }
   at::Tensor forward(const at::Tensor& x) {
     return head(torch::relu(fc2(torch::relu(fc1(x)))));
   }
-  mp::nn::Linear fc1{nullptr}, fc2{nullptr}, head{nullptr};
+  L fc1{nullptr}, fc2{nullptr}, head{nullptr};
 };
+using Net = NetOf<mp::nn::Linear>;
+using Net8 = NetOf<mp::nn::Float8Linear>;
 
 struct MlpImpl : torch::nn::Module {
   MlpImpl() {
@@ -67,8 +72,8 @@ struct Setup {
   double lr = 1e-2, weight_decay = 0.01, alpha = 8, dropout = 0.0;
 };
 
-template <class P>
-std::vector<double> train(const std::shared_ptr<Net>& model, const at::Tensor& x, const at::Tensor& y,
+template <class P, class Model>
+std::vector<double> train(const std::shared_ptr<Model>& model, const at::Tensor& x, const at::Tensor& y,
                           const Setup& s) {
   torch::optim::AdamW optimizer(mp::trainable_parameters(*model),
                                 torch::optim::AdamWOptions(s.lr).weight_decay(s.weight_decay));
@@ -135,6 +140,32 @@ TEST_CASE("apply_lora: PEFT's names and initialisation, the base frozen, the out
   mp::apply_lora(other, {"fc1", "fc2"}, mp::LoraOptions().rank(4));
   CHECK(test::identical(other->fc2->named_parameters()["lora_A.weight"],
                         model->fc2->named_parameters()["lora_A.weight"]));
+}
+
+TEST_CASE("apply_lora adapts a Float8Linear as it adapts a mixprec::nn::Linear: the same "
+          "adapters, losses bit for bit under each policy but MixedFP8") {
+  const auto [x, y] = make_data();
+  Setup s;
+  s.steps = 4;
+  const auto run = [&]<class P>(P) {
+    CAPTURE(P::name);
+    auto plain = make_net();
+    torch::manual_seed(1);
+    auto fp8 = std::make_shared<Net8>();  // Linear's init from the same seed
+    REQUIRE(test::identical(fp8->fc1->weight, plain->fc1->weight));
+    CHECK(mp::apply_lora(plain, {"fc1", "fc2"}, options_of(s)) ==
+          mp::apply_lora(fp8, {"fc1", "fc2"}, options_of(s)));
+    CHECK(keys_of(*fp8) == keys_of(*plain));
+    CHECK(mp::lora_layers(*fp8).size() == 2);
+    const auto a = train<P>(plain, x, y, s), b = train<P>(fp8, x, y, s);
+    CHECK(a == b);
+    CHECK(test::identical(fp8->fc2->named_parameters()["lora_B.weight"],
+                          plain->fc2->named_parameters()["lora_B.weight"]));
+    CHECK(plain->fc2->named_parameters()["lora_B.weight"].ne(0).any().item<bool>());
+  };
+  run(mp::FullPrecision{});
+  run(mp::MixedO1<at::BFloat16>{});
+  run(mp::MixedO2<at::BFloat16>{});
 }
 
 TEST_CASE("merge_lora and unmerge_lora: W + (alpha / r) B A and back within the stated bound") {

@@ -45,16 +45,23 @@ class Fp8Layers {
   /// there are none.
   static Found find(const torch::nn::Module& model, std::string_view policy) {
     Found found;
-    std::string plain;
+    std::string plain, adapted;
     auto& registry = PrecisionRegistry::instance();
     for (const auto& item : model.named_modules("", /*include_self=*/true)) {
       auto layer = std::dynamic_pointer_cast<nn::Float8LinearImpl>(item.value());
       if (layer != nullptr) {
-        if (layer->fp8_allowed() && !registry.kept_fp32(*layer)) found.emplace_back(item.key(), layer);
+        if (!layer->fp8_allowed() || registry.kept_fp32(*layer)) continue;
+        if (layer->adapter) adapted += (adapted.empty() ? "'" : ", '") + item.key() + "'";
+        found.emplace_back(item.key(), layer);
       } else if (dynamic_cast<const torch::nn::LinearImpl*>(&unwrapped(*item.value())) != nullptr) {
         plain += (plain.empty() ? "'" : ", '") + item.key() + "'";
       }
     }
+    MIXPREC_CHECK(adapted.empty(), "Trainer<", policy, ">: LoRA adapters sit on Float8Linear "
+                  "layers that would compute in fp8: ", adapted, ". An adapted layer computes as "
+                  "mixprec::nn::Linear (its frozen base in fp8 is LoraBase::fp8_rowwise); keep "
+                  "these out of fp8 with a precision map (PrecisionMap().add(\"name\", "
+                  "Precision::low)); nothing was changed");
     MIXPREC_CHECK(!found.empty(), "Trainer<", policy, ">: no layer of the model computes in fp8: "
                   "only linear layers declared as mixprec::nn::Float8Linear do (the same "
                   "parameters, state_dict keys and forward as torch::nn::Linear), and the model "

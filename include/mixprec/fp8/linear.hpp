@@ -93,18 +93,26 @@ struct Fp8LinearFunction : public AutogradFunction<Fp8LinearFunction> {
 
 namespace nn {
 
-/// torch::nn::Linear (the same parameters, initialization and state_dict keys) that computes in
-/// fp8 under a Trainer<MixedFP8<...>>, and as mixprec::nn::Linear (F.linear) under every other
-/// policy. A checkpoint of either loads into the other. An input of the wrong width is an Error.
-class Float8LinearImpl : public torch::nn::LinearImpl, public mixprec::detail::MappableBase {
+/// A mixprec::nn::Linear (torch::nn::Linear's parameters, initialization and state_dict keys;
+/// F.linear) that computes in fp8 under a Trainer<MixedFP8<...>>, and as mixprec::nn::Linear
+/// under every other policy. A checkpoint of either loads into the other. An input of the wrong
+/// width is an Error. apply_lora adapts it as it adapts a mixprec::nn::Linear; an adapted layer
+/// then never computes in fp8 (a MixedFP8 Trainer refuses it unless a precision map keeps it
+/// out of fp8: LoRA's frozen base in fp8 is LoraBase::fp8_rowwise).
+class Float8LinearImpl : public LinearImpl, public mixprec::detail::MappableBase {
  public:
   Float8LinearImpl(std::int64_t in_features, std::int64_t out_features)
-      : torch::nn::LinearImpl(in_features, out_features) {}
+      : LinearImpl(in_features, out_features) {}
   explicit Float8LinearImpl(const torch::nn::LinearOptions& linear_options)
-      : torch::nn::LinearImpl(linear_options) {}
+      : LinearImpl(linear_options) {}
 
   at::Tensor forward(const at::Tensor& input) {
     return mixprec::detail::forward_in_region(region_, input, [this](const at::Tensor& x) {
+      // Both at once cannot happen: the Trainer refuses adapted layers in fp8, apply_lora a
+      // model a Trainer trains.
+      MIXPREC_CHECK(!(fp8_ && adapter), "mixprec::nn::Float8Linear: a layer in fp8 with a LoRA "
+                    "adapter (mixprec bug: please report)");
+      if (adapter) return adapter->forward(x, weight, bias);
       if (!fp8_ || !at::isFloatingType(x.scalar_type())) {
         // As mixprec::nn::Linear: F.linear, not torch::nn::Linear's product and separate add.
         auto out = mixprec::nn::detail::linear("mixprec::nn::Float8Linear", x, weight, bias);

@@ -92,7 +92,7 @@ inline void save_lora_adapter(const torch::nn::Module& model, const std::string&
                                                       : layer.adapter->lora_b().weight;
       slots.push_back({detail::kPeftPrefix + name, at::kFloat,
                        std::vector<std::int64_t>(own.sizes().begin(), own.sizes().end()),
-                       [&, name, own] { return value_of(name, own); }});
+                       [&value_of, name, own] { return value_of(name, own); }});
     }
     targets += (targets.empty() ? "" : ", ") + detail::json_string(layer.path);
   }
@@ -105,7 +105,7 @@ inline void save_lora_adapter(const torch::nn::Module& model, const std::string&
       const auto dtype = at::isFloatingType(own.scalar_type()) ? at::kFloat : own.scalar_type();
       slots.push_back({detail::kPeftPrefix + name, dtype,
                        std::vector<std::int64_t>(own.sizes().begin(), own.sizes().end()),
-                       [&, name, own] { return value_of(name, own).to(dtype); }});
+                       [&value_of, name, own, dtype] { return value_of(name, own).to(dtype); }});
     }
     saved += (saved.empty() ? "" : ", ") + detail::json_string(module_path);
   }
