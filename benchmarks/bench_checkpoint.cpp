@@ -33,6 +33,8 @@
 namespace mp = mixprec;
 namespace fs = std::filesystem;
 
+namespace bench_checkpoint {
+
 namespace {
 
 constexpr int kDepth = 4;
@@ -189,3 +191,5 @@ int main(int argc, char** argv) {
   if (ok) fs::remove_all(root);  // a failed rank's log stays, for its Error
   return ok ? 0 : 1;
 }
+
+}  // namespace bench_checkpoint

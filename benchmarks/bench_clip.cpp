@@ -31,6 +31,8 @@
 #include <string>
 #include <vector>
 
+namespace bench_clip {
+
 namespace {
 
 constexpr std::int64_t kMi = std::int64_t{1} << 20;
@@ -141,3 +143,5 @@ int main(int argc, char** argv) {
   std::printf("\nCommand: `./build/default/benchmarks/bench_clip`\n");
   return 0;
 }
+
+}  // namespace bench_clip

@@ -33,6 +33,8 @@
 
 extern char** environ;
 
+namespace bench_cpu_bf16 {
+
 namespace {
 
 // A configuration of LibTorch's CPU kernels: the environment a child runs under.
@@ -236,3 +238,5 @@ int main(int argc, char** argv) {
               "configuration)\n");
   return 0;
 }
+
+}  // namespace bench_cpu_bf16

@@ -20,6 +20,8 @@
 #include <string>
 #include <vector>
 
+namespace bench_cpu_fp16 {
+
 namespace {
 
 struct ConvShape {
@@ -127,3 +129,5 @@ int main(int argc, char** argv) {
                      bench::interleaved_samples(steps, options));
   return 0;
 }
+
+}  // namespace bench_cpu_fp16

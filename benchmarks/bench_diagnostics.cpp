@@ -16,6 +16,8 @@
 #include <string>
 #include <vector>
 
+namespace bench_diagnostics {
+
 namespace {
 
 using bench::models::Cnn;
@@ -161,3 +163,5 @@ int main(int argc, char** argv) {
   std::printf("\nRerun alone: `./scripts/bench bench_diagnostics`.\n");
   return 0;
 }
+
+}  // namespace bench_diagnostics

@@ -27,6 +27,8 @@
 extern char** environ;
 namespace mp = mixprec;
 
+namespace bench_distributed {
+
 namespace {
 
 constexpr int kWorld = 2;
@@ -226,3 +228,5 @@ int main(int argc, char** argv) {
   std::filesystem::remove_all(dir);
   return failed == 0 ? 0 : 1;
 }
+
+}  // namespace bench_distributed

@@ -44,6 +44,8 @@
 
 namespace mp = mixprec;
 
+namespace bench_encoder {
+
 namespace {
 
 constexpr const char* kLayers = "bert.encoder.layer.*";
@@ -496,3 +498,5 @@ int main(int argc, char** argv) {
   std::filesystem::remove_all(dir);
   return ok ? 0 : 1;
 }
+
+}  // namespace bench_encoder

@@ -26,6 +26,8 @@
 #include <string>
 #include <vector>
 
+namespace bench_fp8 {
+
 namespace {
 
 // LibTorch's _scaled_mm with oneDNN switched off for the call: its reference emulation.
@@ -168,3 +170,5 @@ int main(int argc, char** argv) {
   std::printf("\nRerun: `./scripts/bench bench_fp8`\n");
   return 0;
 }
+
+}  // namespace bench_fp8

@@ -53,6 +53,8 @@
 
 namespace mp = mixprec;
 
+namespace bench_gpu {
+
 namespace {
 
 constexpr std::uint64_t kSeed = 43;
@@ -483,3 +485,5 @@ int main(int argc, char** argv) {
   }
   return 0;
 }
+
+}  // namespace bench_gpu

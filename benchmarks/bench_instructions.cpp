@@ -34,6 +34,8 @@
 
 extern char** environ;
 
+namespace bench_instructions {
+
 namespace {
 
 namespace models = bench::models;
@@ -271,3 +273,5 @@ int main(int argc, char** argv) {
   }
   return 0;
 }
+
+}  // namespace bench_instructions

@@ -47,6 +47,9 @@
 #include <vector>
 
 namespace fs = std::filesystem;
+
+namespace bench_largest_model {
+
 using namespace largest;
 
 namespace {
@@ -664,3 +667,5 @@ int main(int argc, char** argv) {
   fs::remove_all(root);
   return ok ? 0 : 1;
 }
+
+}  // namespace bench_largest_model

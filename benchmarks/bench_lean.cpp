@@ -24,6 +24,8 @@
 
 namespace mp = mixprec;
 
+namespace bench_lean {
+
 namespace {
 
 struct MlpImpl : torch::nn::Module {
@@ -202,3 +204,5 @@ int main(int argc, char** argv) {
               "alive at once, as the ordinary step has them).\n");
   return 0;
 }
+
+}  // namespace bench_lean

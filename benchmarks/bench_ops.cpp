@@ -11,6 +11,8 @@
 #include <string>
 #include <vector>
 
+namespace bench_ops {
+
 namespace {
 
 struct Shape {
@@ -118,3 +120,5 @@ int main(int argc, char** argv) {
   std::printf("`\n");
   return ok ? 0 : 1;
 }
+
+}  // namespace bench_ops

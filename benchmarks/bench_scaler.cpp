@@ -27,6 +27,8 @@
 #include <utility>
 #include <vector>
 
+namespace bench_scaler {
+
 namespace {
 
 constexpr std::int64_t kMi = std::int64_t{1} << 20;
@@ -269,3 +271,5 @@ int main(int argc, char** argv) {
   std::printf("\nCommand: `./build/default/benchmarks/bench_scaler`\n");
   return 0;
 }
+
+}  // namespace bench_scaler

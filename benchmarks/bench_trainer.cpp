@@ -15,6 +15,8 @@
 #include <memory>
 #include <string>
 
+namespace bench_trainer {
+
 namespace {
 
 torch::nn::Sequential make_mlp(std::int64_t width) {
@@ -176,3 +178,5 @@ int main(int argc, char** argv) {
   std::printf("\nCommand: ./build/default/benchmarks/bench_trainer\n");
   return 0;
 }
+
+}  // namespace bench_trainer

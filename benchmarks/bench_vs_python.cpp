@@ -63,6 +63,8 @@
 
 extern char** environ;
 
+namespace bench_vs_python {
+
 namespace {
 
 namespace models = bench::models;
@@ -1000,3 +1002,5 @@ int main(int argc, char** argv) {
   }
   return 0;
 }
+
+}  // namespace bench_vs_python

@@ -39,6 +39,8 @@
 extern char** environ;
 namespace mp = mixprec;
 
+namespace bench_zero {
+
 namespace {
 
 using bench::models::mlp_unit_paths;
@@ -454,3 +456,5 @@ int main(int argc, char** argv) {
   std::filesystem::remove_all(root);
   return ok ? 0 : 1;
 }
+
+}  // namespace bench_zero

@@ -33,3 +33,26 @@ function(mixprec_use_pch target)
     target_compile_options(${target} PRIVATE -Wno-error=invalid-pch)
   endif()
 endfunction()
+
+# mixprec_unity_groups(<target> <dir> <group>...): each <group> is a string of source files
+# (relative to <dir>, without .cpp) that compile as one translation unit (CMake's unity build in
+# GROUP mode); a source of the target in no group compiles alone, and a name that is not one of
+# its sources is ignored (MIXPREC_TEST_ONLY may have left it out). ./scripts/test uses it
+# (MIXPREC_TEST_GROUPS): a group loads the precompiled header and generates the templates that its
+# files share once. The files of a group must declare no name alike (docs/ci.md).
+function(mixprec_unity_groups target dir)
+  get_target_property(_sources ${target} SOURCES)
+  set(_index 0)
+  foreach(_group IN LISTS ARGN)
+    string(REPLACE " " ";" _files "${_group}")
+    foreach(_file IN LISTS _files)
+      set(_path ${dir}/${_file}.cpp)
+      if(_path IN_LIST _sources)
+        set_source_files_properties(${_path} TARGET_DIRECTORY ${target} PROPERTIES
+                                    UNITY_GROUP ${target}_${_index})
+      endif()
+    endforeach()
+    math(EXPR _index "${_index} + 1")
+  endforeach()
+  set_target_properties(${target} PROPERTIES UNITY_BUILD ON UNITY_BUILD_MODE GROUP)
+endfunction()

@@ -1,18 +1,10 @@
-// mixprec's compiled companion (CMake target mixprec::precompiled, docs/build.md): compiled once
-// per policy of MIXPREC_PRECOMPILED_POLICIES (trainer/precompiled.hpp), with
-// MIXPREC_PRECOMPILED_PART the policy's place in that list; each part holds that policy's
-// Trainer, which the TUs that link the companion then do not compile.
+// mixprec's compiled companion (CMake target mixprec::precompiled, docs/build.md): the Trainer
+// of every policy of MIXPREC_PRECOMPILED_POLICIES (trainer/precompiled.hpp), which the TUs that
+// link the companion then do not compile. One translation unit for all of them: what a Trainer
+// compiles is mostly code that no policy changes (LibTorch's inline functions, the step's
+// policy-free stages), which one TU compiles once; each policy adds about 3 % to it (docs/build.md).
 #include <mixprec/trainer.hpp>
 
-#include <type_traits>
-
-#ifndef MIXPREC_PRECOMPILED_PART
-#error "mixprec: compile src/precompiled.cpp with -DMIXPREC_PRECOMPILED_PART=<index>: CMake's mixprec::precompiled target does"
-#endif
-
-namespace mixprec::detail {
-using PrecompiledPolicy = typename NthPolicy<MIXPREC_PRECOMPILED_PART, PrecompiledPolicies>::type;
-static_assert(!std::is_void_v<PrecompiledPolicy>, "mixprec: MIXPREC_PRECOMPILED_PART is past the list");
-}  // namespace mixprec::detail
-
-MIXPREC_TRAINER_INSTANCE(, ::mixprec::detail::PrecompiledPolicy)
+#define MIXPREC_DEFINE_TRAINER(...) MIXPREC_TRAINER_INSTANCE(, __VA_ARGS__)
+MIXPREC_PRECOMPILED_POLICIES(MIXPREC_DEFINE_TRAINER)
+#undef MIXPREC_DEFINE_TRAINER

@@ -99,6 +99,17 @@ inline std::vector<at::Tensor> snapshot(const std::vector<at::Tensor>& params) {
   return copies;
 }
 
+/// The Python references' fingerprint of a list of tensors (tests/parity_fp8.py,
+/// tests/parity_block.py): sum(x_i * (i % 251 + 1)) over the tensors flattened in order, in
+/// fp64, with the same ATen ops as theirs, so that equal tensors give equal doubles.
+inline double fingerprint(const std::vector<at::Tensor>& tensors) {
+  std::vector<at::Tensor> flat;
+  for (const auto& t : tensors) flat.push_back(t.detach().reshape({-1}).to(at::kDouble));
+  const auto all = torch::cat(flat);
+  const auto index = torch::arange(all.numel(), torch::TensorOptions(at::kDouble));
+  return (all * (torch::remainder(index, 251) + 1)).sum().item<double>();
+}
+
 /// A tensor's bytes, in its logical order: what "bitwise" compares (+0 and -0 differ, a NaN
 /// equals the same NaN, unlike at::equal).
 inline at::Tensor bytes_of(const at::Tensor& t) {

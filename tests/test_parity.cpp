@@ -564,16 +564,6 @@ std::vector<double> train_batches(Model& model, const at::Tensor& x, const at::T
   return losses;
 }
 
-// tests/parity_fp8.py's fingerprint: sum(x_i * (i % 251 + 1)) over the tensors flattened in
-// order, in fp64, with the same ATen ops.
-double fingerprint(const std::vector<at::Tensor>& tensors) {
-  std::vector<at::Tensor> flat;
-  for (const auto& t : tensors) flat.push_back(t.detach().reshape({-1}).to(at::kDouble));
-  const auto all = torch::cat(flat);
-  const auto index = torch::arange(all.numel(), torch::TensorOptions(at::kDouble));
-  return (all * (torch::remainder(index, 251) + 1)).sum().item<double>();
-}
-
 // torchao's name of a recipe (Float8LinearConfig.from_recipe_name).
 template <class Recipe>
 std::string torchao_recipe() {
@@ -628,8 +618,8 @@ void compare_with_torchao(const std::string& kind, const at::Tensor& x, const at
         params.push_back(item.value());
         grad_list.push_back(grads.at(item.key()));
       }
-      weights.push_back(fingerprint(params));
-      gradients.push_back(fingerprint(grad_list));
+      weights.push_back(test::fingerprint(params));
+      gradients.push_back(test::fingerprint(grad_list));
     }
     if (step == -1) {
       for (const auto& item : model->named_modules("", false)) {

@@ -131,15 +131,6 @@ struct BlockImpl : torch::nn::Module {
 };
 TORCH_MODULE(Block);
 
-// parity_block.py's fingerprint: sum(x_i * (i % 251 + 1)) in fp64, the same ATen ops.
-double fingerprint(const std::vector<at::Tensor>& tensors) {
-  std::vector<at::Tensor> flat;
-  for (const auto& t : tensors) flat.push_back(t.detach().reshape({-1}).to(at::kDouble));
-  const auto all = torch::cat(flat);
-  const auto index = torch::arange(all.numel(), torch::TensorOptions(at::kDouble));
-  return (all * (torch::remainder(index, 251) + 1)).sum().item<double>();
-}
-
 template <class Recipe>
 std::string recipe_name() {
   if constexpr (Recipe::block_format == mp::BlockFormat::mxfp8) {
@@ -256,8 +247,8 @@ void compare(const std::string& kind, const at::Tensor& x, const at::Tensor& y,
     }
     const double loss = report.loss.template item<double>();
     equal_losses += loss == their_losses[step].template item<double>() ? 1 : 0;
-    equal_weights += fingerprint(params) == their_weights[step].template item<double>() ? 1 : 0;
-    equal_grads += fingerprint(grad_list) == their_grads[step].template item<double>() ? 1 : 0;
+    equal_weights += test::fingerprint(params) == their_weights[step].template item<double>() ? 1 : 0;
+    equal_grads += test::fingerprint(grad_list) == their_grads[step].template item<double>() ? 1 : 0;
     loss_diff = std::max(loss_diff, std::abs(loss - their_losses[step].template item<double>()));
   }
   MESSAGE(kind, ", ", P::name, " vs the torchao composition: step 1's ", operands,
