@@ -6,8 +6,8 @@
 /// once. Without it (header-only, the default) nothing here changes a thing.
 ///
 /// The list is MIXPREC_PRECOMPILED_POLICIES(X): X(policy) for each policy; src/precompiled.cpp
-/// instantiates exactly these (a policy declared here and instantiated nowhere would fail to
-/// link, never run other code). Any other policy is compiled in the TU that uses it, as header-only.
+/// instantiates exactly these, from the same list. Any other policy is compiled in the TU that
+/// uses it, as header-only.
 
 #include <mixprec/core/policy.hpp>
 
