@@ -41,7 +41,15 @@ endfunction()
 # (MIXPREC_TEST_GROUPS): a group loads the precompiled header and generates the templates that its
 # files share once. The files of a group must declare no name alike (docs/ci.md).
 function(mixprec_unity_groups target dir)
-  get_target_property(_sources ${target} SOURCES)
+  # The target's sources as absolute paths, however they were given (add_executable takes
+  # paths relative to the target's directory).
+  get_target_property(_given ${target} SOURCES)
+  get_target_property(_base ${target} SOURCE_DIR)
+  set(_sources)
+  foreach(_source IN LISTS _given)
+    cmake_path(ABSOLUTE_PATH _source BASE_DIRECTORY ${_base} NORMALIZE)
+    list(APPEND _sources ${_source})
+  endforeach()
   set(_index 0)
   foreach(_group IN LISTS ARGN)
     string(REPLACE " " ";" _files "${_group}")
