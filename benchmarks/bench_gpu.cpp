@@ -250,7 +250,8 @@ template <class P>
 Row row(std::string name, std::string python_mode, const Setup& s, bool checkpoint = false,
         bool tf32 = false) {
   // LibTorch < 2.4 has no fp16 matmul on the CPU (compat.hpp): such a row is skipped, said so.
-  const bool skip = P::low_dtype == at::kHalf && s.device.is_cpu() && !mp::cpu_half_math;
+  // Not const: where P is not fp16 it is a constant, which Clang warns needs no capture.
+  bool skip = P::low_dtype == at::kHalf && s.device.is_cpu() && !mp::cpu_half_math;
   return {std::move(name), std::move(python_mode), [&s, checkpoint, tf32, skip]() -> Measured {
             if (skip) return {};
             return run_policy<P>(s, checkpoint, tf32);
@@ -263,9 +264,9 @@ Row row(std::string name, std::string python_mode, const Setup& s, bool checkpoi
 // otherwise (docs/fp8.md).
 template <class P>
 Row block_row(std::string name, const Setup& s) {
-  const auto block = P::recipe::block;
+  constexpr auto block = P::recipe::block;
   const bool fits = s.size.d % block == 0 && (s.size.batch * s.size.seq) % block == 0;
-  return {std::move(name), "", [&s, fits, block]() -> Measured {
+  return {std::move(name), "", [&s, fits]() -> Measured {
             if (!fits) {
               Measured m;
               m.skipped = "d or the tokens of a step not a multiple of the block, " + std::to_string(block);

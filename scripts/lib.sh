@@ -22,12 +22,13 @@ export CCACHE_SLOPPINESS="${CCACHE_SLOPPINESS:-pch_defines,time_macros,include_f
 # (the demo's command line), nlohmann's JSON and ICU (the encoder example's config.json and
 # tokenizer) and python3-venv for the wheel's virtual environment; Debian's
 # libtorch-dev and python3-torch with MIXPREC_LIBTORCH=system. The demo adds the data set and
-# matplotlib (plot.py); the tests add those and clang-14 with libFuzzer (the fuzz targets).
+# matplotlib (plot.py); the tests add those, clang-14 with libFuzzer (the fuzz targets) and
+# clang-16 (./scripts/test's compiler for the wheel's LibTorch, preset test).
 MIXPREC_PACKAGES=(cmake ninja-build g++ ccache doctest-dev libgloo-dev libcli11-dev nlohmann-json3-dev
                   libicu-dev python3-venv)
 MIXPREC_SYSTEM_PACKAGES=(libtorch-dev python3-torch)
 MIXPREC_DEMO_PACKAGES=(dataset-fashion-mnist python3-matplotlib)
-MIXPREC_TEST_PACKAGES=("${MIXPREC_DEMO_PACKAGES[@]}" clang-14 libfuzzer-14-dev valgrind)
+MIXPREC_TEST_PACKAGES=("${MIXPREC_DEMO_PACKAGES[@]}" clang-14 libfuzzer-14-dev clang-16 valgrind)
 
 # Installs what every command needs, the selected LibTorch's packages, and "$@".
 mixprec_ensure_packages_for() {

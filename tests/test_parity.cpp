@@ -41,10 +41,17 @@ struct Setup {
   std::int64_t growth_interval = 16;          // several growths (and new overflows) in 200 steps
 };
 
+// A layer a statement: each Linear draws its weights from the generator, and a call's arguments
+// are evaluated in the order the compiler picks (GCC and Clang differ): built as one call, the
+// model started from other weights under each compiler.
 torch::nn::Sequential make_model() {
-  return torch::nn::Sequential(torch::nn::Linear(16, 64), torch::nn::ReLU(),
-                               torch::nn::Linear(64, 64), torch::nn::ReLU(),
-                               torch::nn::Linear(64, 4));
+  torch::nn::Sequential model;
+  model->push_back(torch::nn::Linear(16, 64));
+  model->push_back(torch::nn::ReLU());
+  model->push_back(torch::nn::Linear(64, 64));
+  model->push_back(torch::nn::ReLU());
+  model->push_back(torch::nn::Linear(64, 4));
+  return model;
 }
 
 // Inputs of a few hundred rows, labelled by a fixed random linear map.
@@ -399,7 +406,12 @@ TEST_CASE("parity with PyTorch: on_step's gradients() are Python's p.grad after 
 
 TEST_CASE("parity with PyTorch: ... and MixedO1<Half> vs torch.autocast(float16) + "
           "GradScaler(\"cpu\")" * doctest::skip(!mp::cpu_half_math)) {
-  check_gradient_parity<mp::MixedO1<at::Half>>("fp16", 1e-5);
+  // fp32 agrees within 1.5e-7 of the largest gradient: one pass writes grad * (1/scale * clip
+  // coefficient, in double), where Python rounds twice (unscale_, then clip_grad_norm_'s
+  // multiply), so the weights drift from Python's in their last bits. Under fp16 autocast a
+  // weight that drifted across a rounding boundary of its fp16 copy moves a gradient by ~1e-5:
+  // 1.09e-5 at step 8 from this model's weights (measured, GCC 12 and Clang 16 alike).
+  check_gradient_parity<mp::MixedO1<at::Half>>("fp16", 1e-4);
 }
 
 namespace {

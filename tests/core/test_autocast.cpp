@@ -109,7 +109,7 @@ TEST_CASE("MixedO1<Half> on the CPU: fp16 matmuls under LibTorch 2.x, a clear Er
     CHECK_FALSE(cpu_enabled());
     CHECK(mm_dtype() == at::kFloat);
   } else {
-    CHECK_THROWS_WITH_AS(mp::autocast<mp::MixedO1<at::Half>>(torch::kCPU),
+    CHECK_THROWS_WITH_AS(static_cast<void>(mp::autocast<mp::MixedO1<at::Half>>(torch::kCPU)),
                          doctest::Contains("supports BFloat16 only"), mp::Error);
     CHECK_FALSE(cpu_enabled());
   }
