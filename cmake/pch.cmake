@@ -35,11 +35,13 @@ function(mixprec_use_pch target)
 endfunction()
 
 # mixprec_unity_groups(<target> <dir> <group>...): each <group> is a string of source files
-# (relative to <dir>, without .cpp) that compile as one translation unit (CMake's unity build in
-# GROUP mode); a source of the target in no group compiles alone, and a name that is not one of
-# its sources is ignored (MIXPREC_TEST_ONLY may have left it out). ./scripts/test uses it
-# (MIXPREC_TEST_GROUPS): a group loads the precompiled header and generates the templates that its
-# files share once. The files of a group must declare no name alike (docs/ci.md).
+# (relative to <dir>, without .cpp; spaces or new lines between them) that compile as one
+# translation unit (CMake's unity build in GROUP mode); a source of the target in no group
+# compiles alone, and a name that is not one of its sources is ignored (MIXPREC_TEST_ONLY may
+# have left it out). ./scripts/test uses it (MIXPREC_TEST_GROUPS): a group loads the precompiled
+# header and generates the templates that its files share once. The files of a group must declare
+# no name alike: each test and benchmark file keeps its code in a namespace of its own
+# (docs/ci.md).
 function(mixprec_unity_groups target dir)
   # The target's sources as absolute paths, however they were given (add_executable takes
   # paths relative to the target's directory).
@@ -52,7 +54,8 @@ function(mixprec_unity_groups target dir)
   endforeach()
   set(_index 0)
   foreach(_group IN LISTS ARGN)
-    string(REPLACE " " ";" _files "${_group}")
+    string(STRIP "${_group}" _group)
+    string(REGEX REPLACE "[ \n]+" ";" _files "${_group}")
     foreach(_file IN LISTS _files)
       set(_path ${dir}/${_file}.cpp)
       if(_path IN_LIST _sources)

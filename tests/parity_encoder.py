@@ -13,7 +13,8 @@
     python parity_encoder.py finetune_fp32|finetune_bf16|finetune_fp16 MODEL_DIR INPUT OUTPUT
         fine-tunes BertModel + mean pooling + a Linear head (INPUT's initial weights) with AdamW
         on INPUT's batches, dropout off; fp32, torch.autocast(bfloat16), or autocast(float16) +
-        GradScaler("cpu"); clipping at INPUT's max_grad_norm after unscale_. One line per step:
+        GradScaler("cpu"); clipping at INPUT's max_grad_norm after unscale_; INPUT's steps (or
+        its "steps.MODE" where it has one) steps. One line per step:
         the loss (repr of the fp32 value), the scale, 1 if the step was skipped. Each mode
         fine-tunes a model of its own, loaded afresh.
 
@@ -79,7 +80,7 @@ def finetune(mode, model_dir, data, output):
     scaler = torch.amp.GradScaler("cpu", init_scale=float(data["init_scale"])) if mode == "finetune_fp16" else None
     clip = float(data["max_grad_norm"])
     with open(output, "w") as out:
-        for step in range(int(data["steps"])):
+        for step in range(int(data.get(f"steps.{mode}", data["steps"]))):
             ids, mask, labels = data[f"ids.{step}"], data[f"mask.{step}"], data[f"labels.{step}"]
             optimizer.zero_grad(set_to_none=True)
             with torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):

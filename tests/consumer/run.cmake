@@ -1,5 +1,5 @@
 # cmake -DMODE=... -DSOURCE_DIR=... -DMAIN_BINARY_DIR=... -DWORK_DIR=... -DGENERATOR=...
-#       -DTorch_DIR=... -DGLOO_INCLUDE_DIR=... -P run.cmake
+#       -DTorch_DIR=... -DGLOO_INCLUDE_DIR=... [-DCXX=...] -P run.cmake
 # Configures, builds and runs tests/consumer against mixprec found by MODE.
 # MAIN_BINARY_DIR: unused since find_package installs from a configure of its own.
 file(REMOVE_RECURSE ${WORK_DIR})
@@ -37,6 +37,10 @@ set(_launcher)
 find_program(_ccache ccache)
 if(_ccache)
   set(_launcher -DCMAKE_CXX_COMPILER_LAUNCHER=${_ccache})
+endif()
+# CXX: the compiler of the build that runs this test (not given: CMake's default, as a user's).
+if(CXX)
+  list(APPEND _launcher -DCMAKE_CXX_COMPILER=${CXX})
 endif()
 execute_process(
   COMMAND ${CMAKE_COMMAND} -S ${SOURCE_DIR}/tests/consumer -B ${WORK_DIR}/build -G ${GENERATOR}

@@ -7,6 +7,8 @@
 
 #include <stdexcept>
 
+namespace test_autocast {  // one namespace a file: unity groups (tests/CMakeLists.txt)
+
 namespace mp = mixprec;
 
 namespace {
@@ -123,3 +125,5 @@ TEST_CASE("bad autocast requests are mixprec::Errors that leave the state alone"
   CHECK_FALSE(cpu_enabled());
   CHECK(mm_dtype() == at::kFloat);
 }
+
+}  // namespace test_autocast

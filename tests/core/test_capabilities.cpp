@@ -23,6 +23,8 @@
 #include <string>
 #include <vector>
 
+namespace test_capabilities {  // one namespace a file: unity groups (tests/CMakeLists.txt)
+
 namespace mp = mixprec;
 
 namespace {
@@ -516,3 +518,5 @@ TEST_CASE("advise() says that bf16 is slower than fp32 on a CPU without bf16 har
   CHECK(fast_text.find("slower than fp32") == std::string::npos);
   CHECK(fast_text.find("bf16 is computed natively") != std::string::npos);
 }
+
+}  // namespace test_capabilities

@@ -5,6 +5,8 @@
 
 #include <string_view>
 
+namespace test_policy {  // one namespace a file: unity groups (tests/CMakeLists.txt)
+
 namespace mp = mixprec;
 
 namespace {
@@ -85,3 +87,5 @@ TEST_CASE("policy names are the ones logs and checkpoints use") {
   CHECK(StaticScaledO2::name == "StaticScaledO2");
   CHECK(mp::version == "0.1.0");
 }
+
+}  // namespace test_policy

@@ -13,6 +13,8 @@
 #include <string>
 #include <vector>
 
+namespace test_advise {  // one namespace a file: unity groups (tests/CMakeLists.txt)
+
 namespace mp = mixprec;
 
 namespace {
@@ -356,3 +358,5 @@ TEST_CASE("advise -> precision map -> train: MixedO2<Half> skips every step of t
   REQUIRE(last > 0);
   CHECK(mapped.losses[last] < mapped.losses.front());
 }
+
+}  // namespace test_advise

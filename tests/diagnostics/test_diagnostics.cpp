@@ -16,6 +16,8 @@
 #include <string>
 #include <vector>
 
+namespace test_diagnostics {  // one namespace a file: unity groups (tests/CMakeLists.txt)
+
 namespace mp = mixprec;
 
 namespace {
@@ -520,3 +522,5 @@ TEST_CASE("GradientStatsOptions out of range are an Error that changes nothing")
   mp::Trainer<mp::MixedO2<at::BFloat16>> trainer(net, optimizer);
   CHECK(trainer.master_weights().size() == 8);
 }
+
+}  // namespace test_diagnostics

@@ -19,6 +19,8 @@
 #include <string>
 #include <vector>
 
+namespace test_block_formats {  // one namespace a file: unity groups (tests/CMakeLists.txt)
+
 namespace mp = mixprec;
 
 namespace {
@@ -493,3 +495,5 @@ TEST_CASE("each block cast's signal-to-noise ratio on normal data against torcha
   // e4m3's 3 mantissa bits against e2m1's 1: the fp8 casts are at least 10 dB cleaner.
   CHECK(std::min({mx_floor, mx_rceil, bw_1x128}) > nv_1x16 + 10.0);
 }
+
+}  // namespace test_block_formats

@@ -20,6 +20,8 @@
 #include <string>
 #include <vector>
 
+namespace test_fp8 {  // one namespace a file: unity groups (tests/CMakeLists.txt)
+
 namespace mp = mixprec;
 
 namespace {
@@ -1000,3 +1002,5 @@ TEST_CASE("Float8Linear's fp8 products without bias, with frozen tensors, an inp
     (run(recipes), ...);
   });
 }
+
+}  // namespace test_fp8

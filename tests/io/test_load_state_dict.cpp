@@ -19,6 +19,8 @@
 #include <string>
 #include <vector>
 
+namespace test_load_state_dict {  // one namespace a file: unity groups (tests/CMakeLists.txt)
+
 namespace mp = mixprec;
 
 namespace {
@@ -521,3 +523,5 @@ TEST_CASE("load_state_dict: num_batches_tracked may be absent for every norm lay
   }
   CHECK(mp::load_state_dict(norms, batch_only, mp::LoadOptions().submodule("batch")).missing_keys.empty());
 }
+
+}  // namespace test_load_state_dict

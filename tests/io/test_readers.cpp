@@ -20,6 +20,8 @@
 #include <string>
 #include <vector>
 
+namespace test_readers {  // one namespace a file: unity groups (tests/CMakeLists.txt)
+
 namespace mp = mixprec;
 using namespace std::string_literals;  // "...\x00..."s keeps its NUL bytes
 using mp::detail::Json;
@@ -837,3 +839,5 @@ TEST_CASE("safetensors: the files of Python's safetensors.torch.save_file, empty
   MESSAGE(read, " files of Python's safetensors: ", tensors, " tensors (", empty, " empty) read as written");
   CHECK(read == 7);
 }
+
+}  // namespace test_readers

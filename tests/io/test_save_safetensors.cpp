@@ -18,6 +18,8 @@
 #include <string>
 #include <vector>
 
+namespace test_save_safetensors {  // one namespace a file: unity groups (tests/CMakeLists.txt)
+
 namespace mp = mixprec;
 
 namespace {
@@ -199,3 +201,5 @@ TEST_CASE("save_safetensors: what the format cannot hold is an Error before the 
   refused(mp::StateDict({{"ok", torch::ones({2})}}), "the metadata names 'a' twice",
           {{{"a", "1"}, {"a", "2"}}});
 }
+
+}  // namespace test_save_safetensors

@@ -19,6 +19,8 @@
 #include <string>
 #include <vector>
 
+namespace test_sharded_files {  // one namespace a file: unity groups (tests/CMakeLists.txt)
+
 namespace mp = mixprec;
 namespace fs = std::filesystem;
 using mp::detail::SafetensorsSpec;
@@ -155,3 +157,5 @@ TEST_CASE("sharded files: JSON strings with control characters are written so th
   CHECK(text.find('\n') == std::string::npos);
   CHECK(mp::detail::JsonParser::parse(text, "quoted").text == name);
 }
+
+}  // namespace test_sharded_files

@@ -21,6 +21,8 @@
 #include <string>
 #include <vector>
 
+namespace test_lora {  // one namespace a file: unity groups (tests/CMakeLists.txt)
+
 namespace mp = mixprec;
 
 namespace {
@@ -435,3 +437,5 @@ TEST_CASE("parity with PEFT: losses and adapters after AdamW steps in fp32 and u
                        doctest::Contains("target_modules 'fc9'"), mp::Error);
   CHECK(keys_of(*other) == keys);
 }
+
+}  // namespace test_lora

@@ -15,6 +15,8 @@
 #include <utility>
 #include <vector>
 
+namespace test_ops {  // one namespace a file: unity groups (tests/CMakeLists.txt)
+
 namespace mp = mixprec;
 namespace ops = mixprec::ops;
 
@@ -1052,3 +1054,5 @@ TEST_CASE_TEMPLATE("optional inputs left undefined or frozen: no mask, layer_nor
   CHECK_THROWS_WITH_AS(ops::masked_mean<P>(x, {}, 1), Contains(needs_mask), mp::Error);
   CHECK_THROWS_WITH_AS(ops::replace_masked_values<P>(x, {}, 0.0), Contains(needs_mask), mp::Error);
 }
+
+}  // namespace test_ops

@@ -17,6 +17,8 @@
 
 #include <limits>
 
+namespace test_fused_adam {  // one namespace a file: unity groups (tests/CMakeLists.txt)
+
 namespace mp = mixprec;
 
 // The fused kernels need LibTorch >= 2.4: there every case runs, and the one for older
@@ -420,3 +422,5 @@ TEST_CASE("fused_optimizer needs LibTorch >= 2.4: a clear Error, before anything
   CHECK(net->weight.scalar_type() == at::kFloat);
   CHECK_THROWS_WITH_AS(mp::fused_adam_step(adam), doctest::Contains("needs LibTorch >= 2.4"), mp::Error);
 }
+
+}  // namespace test_fused_adam

@@ -23,6 +23,8 @@
 #include <memory>
 #include <vector>
 
+namespace test_lean_state {  // one namespace a file: unity groups (tests/CMakeLists.txt)
+
 namespace mp = mixprec;
 
 namespace {
@@ -768,3 +770,5 @@ TEST_CASE("lean state: bad input is an Error that leaves the model and optimizer
   // With fp32 moments RMSprop is fine.
   CHECK_NOTHROW(mp::Trainer<StochasticFp32>(net, rmsprop));
 }
+
+}  // namespace test_lean_state

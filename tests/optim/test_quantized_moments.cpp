@@ -23,6 +23,8 @@
 #include <utility>
 #include <vector>
 
+namespace test_quantized_moments {  // one namespace a file: unity groups (tests/CMakeLists.txt)
+
 namespace mp = mixprec;
 using mp::MomentCoding;
 using mp::MomentFormat;
@@ -286,3 +288,5 @@ TEST_CASE("quantized Adam and AdamW: each step's weights, codes and scales are t
   check_steps_against_torchao({"AdamW8bit", {MomentFormat::dynamic8, 256}, true, /*bf16=*/true});
   check_steps_against_torchao({"AdamW4bit", {MomentFormat::dynamic4, 128}, true, true, 0.1});
 }
+
+}  // namespace test_quantized_moments

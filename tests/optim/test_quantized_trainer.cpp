@@ -19,6 +19,8 @@
 #include <utility>
 #include <vector>
 
+namespace test_quantized_trainer {  // one namespace a file: unity groups (tests/CMakeLists.txt)
+
 namespace mp = mixprec;
 using mp::MomentCoding;
 using mp::MomentFormat;
@@ -493,3 +495,5 @@ TEST_CASE("block formats: bytes per parameter between steps, from the tensors") 
           per_param(q4.optimizer), "), <MomentsFp8> ", per_param(fp8.total()), " (",
           per_param(fp8.optimizer), "); RemainderMasters<Moments8bit> ", per_param(rem.total()));
 }
+
+}  // namespace test_quantized_trainer

@@ -20,6 +20,8 @@
 #include <string_view>
 #include <vector>
 
+namespace test_nn {  // one namespace a file: unity groups (tests/CMakeLists.txt)
+
 namespace mp = mixprec;
 
 namespace {
@@ -1319,3 +1321,5 @@ TEST_CASE("the forward-pass check: code of the user's own, and errors that are n
   CHECK_THROWS_AS(trainer.step(loss), mp::Error);
 #endif
 }
+
+}  // namespace test_nn

@@ -25,6 +25,8 @@
 #include <tuple>
 #include <vector>
 
+namespace test_recompute {  // one namespace a file: unity groups (tests/CMakeLists.txt)
+
 namespace mp = mixprec;
 using test::identical;
 
@@ -1087,3 +1089,5 @@ TEST_CASE("against torch.utils.checkpoint: an Error wherever Python raises Check
     CHECK(python.at(name).second > 1);
   }
 }
+
+}  // namespace test_recompute

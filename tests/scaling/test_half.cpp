@@ -11,6 +11,8 @@
 
 #include <doctest/doctest.h>
 
+namespace test_half {  // one namespace a file: unity groups (tests/CMakeLists.txt)
+
 namespace mp = mixprec;
 
 // Each case runs where it can and is reported as skipped where it cannot (doctest's skip
@@ -95,3 +97,5 @@ TEST_CASE_TEMPLATE("Half policies on a CPU without fp16 math: an Error before an
 }
 
 TEST_CASE("the scale update never grows to inf on the CPU") { test::never_grows_to_inf(torch::kCPU); }
+
+}  // namespace test_half

@@ -18,6 +18,8 @@
 #include <string>
 #include <vector>
 
+namespace test_scaler {  // one namespace a file: unity groups (tests/CMakeLists.txt)
+
 namespace mp = mixprec;
 
 namespace {
@@ -1178,3 +1180,5 @@ TEST_CASE("an expanded (self-overlapping) gradient is refused before anything is
   scaler.unscale_(opt);
   CHECK(p1.grad().equal(torch::full({4}, 4.0)));  // unscaled once
 }
+
+}  // namespace test_scaler

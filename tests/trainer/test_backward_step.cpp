@@ -18,6 +18,8 @@
 #include <string>
 #include <vector>
 
+namespace test_backward_step {  // one namespace a file: unity groups (tests/CMakeLists.txt)
+
 namespace mp = mixprec;
 
 namespace {
@@ -253,3 +255,5 @@ TEST_CASE("step_in_backward: on_step's gradients() are an Error, the report is t
   model->forward(x, true).sum().backward();
   for (const auto& p : model->parameters()) CHECK(p.grad().defined());
 }
+
+}  // namespace test_backward_step

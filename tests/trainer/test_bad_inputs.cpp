@@ -18,6 +18,8 @@
 #include <string>
 #include <vector>
 
+namespace test_bad_inputs {  // one namespace a file: unity groups (tests/CMakeLists.txt)
+
 namespace mp = mixprec;
 namespace ops = mixprec::ops;
 
@@ -682,3 +684,5 @@ TEST_CASE("catalogue: bad diagnostics calls are Errors that leave the model alon
     }
   }
 }
+
+}  // namespace test_bad_inputs

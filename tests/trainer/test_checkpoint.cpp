@@ -19,6 +19,8 @@
 #include <utility>
 #include <vector>
 
+namespace test_checkpoint {  // one namespace a file: unity groups (tests/CMakeLists.txt)
+
 namespace mp = mixprec;
 
 namespace {
@@ -1102,3 +1104,5 @@ TEST_CASE("every setting of a policy that changes the numbers is part of its che
           "fp8 delayed there, none here, fp8_history 16 there, (none) here, fp8_margin 0 there, "
           "(none) here");
 }
+
+}  // namespace test_checkpoint

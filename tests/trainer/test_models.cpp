@@ -17,6 +17,8 @@
 #include <string>
 #include <unordered_set>
 
+namespace test_models {  // one namespace a file: unity groups (tests/CMakeLists.txt)
+
 namespace mp = mixprec;
 
 namespace {
@@ -499,3 +501,5 @@ TEST_CASE("MixedO2 refuses a sparse Embedding at construction, whatever accumula
     CHECK(sparse);
   }
 }
+
+}  // namespace test_models

@@ -19,6 +19,8 @@
 #include <string>
 #include <vector>
 
+namespace test_schedule {  // one namespace a file: unity groups (tests/CMakeLists.txt)
+
 namespace mp = mixprec;
 
 namespace {
@@ -485,3 +487,5 @@ TEST_CASE("a scheduler that keeps base lrs of its own, and a param group added l
   }
   CHECK_FALSE(test::identical(test::snapshot(s.net->parameters()), weights));  // it trains
 }
+
+}  // namespace test_schedule

@@ -23,6 +23,8 @@
 #include <type_traits>
 #include <vector>
 
+namespace test_step_gradients {  // one namespace a file: unity groups (tests/CMakeLists.txt)
+
 namespace mp = mixprec;
 
 namespace {
@@ -397,3 +399,5 @@ TEST_CASE_TEMPLATE("... and under the fp16 policies" * doctest::skip(!mp::cpu_ha
     }
   }
 }
+
+}  // namespace test_step_gradients

@@ -19,6 +19,8 @@
 #include <string>
 #include <vector>
 
+namespace test_step_log {  // one namespace a file: unity groups (tests/CMakeLists.txt)
+
 namespace mp = mixprec;
 
 namespace {
@@ -278,3 +280,5 @@ TEST_CASE("StepLogger and ProgressLine follow the Trainer's resets: the micro-ba
                                   0) == 0);
   }
 }
+
+}  // namespace test_step_log

@@ -17,6 +17,8 @@
 #include <optional>
 #include <string>
 
+namespace test_trainer {  // one namespace a file: unity groups (tests/CMakeLists.txt)
+
 namespace mp = mixprec;
 
 namespace {
@@ -1205,3 +1207,5 @@ TEST_CASE_TEMPLATE("cast_input: floating batches to compute_dtype<P> under O2/O3
   }
   CHECK(trainer.cast_input(torch::ones({2}, torch::kLong)).scalar_type() == torch::kLong);
 }
+
+}  // namespace test_trainer

@@ -18,6 +18,8 @@
 #include <tuple>
 #include <vector>
 
+namespace test_trainer_habits {  // one namespace a file: unity groups (tests/CMakeLists.txt)
+
 namespace mp = mixprec;
 
 namespace {
@@ -427,3 +429,5 @@ TEST_CASE("the fused-optimizer Error names the optimizer's type readably" *
   CHECK(message.find("(anonymous namespace)::MyAdamW") != std::string::npos);
   CHECK(message.find("7MyAdamW") == std::string::npos);  // not the mangled N12_GLOBAL__N_17MyAdamWE
 }
+
+}  // namespace test_trainer_habits
