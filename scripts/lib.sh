@@ -9,7 +9,11 @@ mixprec_ensure_packages() {
   local sudo=""
   [ "$(id -u)" -ne 0 ] && sudo="sudo"
   echo "mixprec: installing ${missing[*]}" >&2
-  $sudo apt-get update >&2
+  # One `apt-get update` a shell (.ci/run installs in two goes).
+  if [ -z "${MIXPREC_APT_UPDATED:-}" ]; then
+    $sudo apt-get update >&2
+    MIXPREC_APT_UPDATED=1
+  fi
   DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y "${missing[@]}" >&2
 }
 

@@ -365,7 +365,7 @@ fm::PolicyResult run_in_child(const Config& c, const std::string& policy, const 
   } remove_file{file_name};
   const auto decision = mixprec::fp16_conv_weight_grad_setting(mixprec::cpu_capabilities());
   fm::run_self(child_args(c, policy, dtype, train_size, file_name),
-               fm::environment_with(environ, mixprec::fp16_conv_weight_grad_env, decision), policy);
+               fm::environment_with(::environ, mixprec::fp16_conv_weight_grad_env, decision), policy);
   std::ifstream in(file_name);
   auto result = fm::read_result(in);
   fm::PolicyResult expected;
