@@ -4,6 +4,7 @@
 /// CPU computes fast, at::parallel_for with its OpenMP check, and the "each tensor once" helpers
 /// every subsystem shares.
 
+#include <ATen/ATen.h>  // first: its header check precompiles it (tests/CMakeLists.txt)
 #include <mixprec/core/error.hpp>
 #include <mixprec/core/compat.hpp>
 #include <mixprec/core/version.hpp>

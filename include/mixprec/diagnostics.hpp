@@ -14,6 +14,7 @@
 ///   ...
 ///   { mixprec::NamedScope scope("encoder"); h = encoder->forward(x); }  // names the op's scope
 
+#include <ATen/ATen.h>  // first: its header check precompiles it (tests/CMakeLists.txt)
 #include <mixprec/diagnostics/overflow.hpp>
 #include <mixprec/diagnostics/gradient_stats.hpp>
 #include <mixprec/diagnostics/op_observer.hpp>

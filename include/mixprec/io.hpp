@@ -3,6 +3,7 @@
 /// (load_weights, load_state_dict, read_torch_save, read_safetensors), weights out to Python
 /// (save_safetensors), and the atomic, checksummed files of Trainer checkpoints. Trainer::load_weights (trainer.hpp) loads into a trained model.
 
+#include <ATen/ATen.h>  // first: its header check precompiles it (tests/CMakeLists.txt)
 #include <mixprec/io/state_dict.hpp>
 #include <mixprec/io/safetensors.hpp>
 #include <mixprec/io/save_safetensors.hpp>

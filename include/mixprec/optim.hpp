@@ -3,6 +3,7 @@
 /// Adam/AdamW step that folds the unscale into ATen's kernel, and the optimizer-state slices of
 /// sharded data parallel.
 
+#include <ATen/ATen.h>  // first: its header check precompiles it (tests/CMakeLists.txt)
 #include <mixprec/optim/master_weights.hpp>
 #include <mixprec/optim/block_quantize.hpp>
 #include <mixprec/optim/quantized_adam.hpp>

@@ -4,6 +4,7 @@
 /// StepLogger (CSV, JSON lines) and the ProgressLine. Compiles without c10d: data parallel
 /// comes with distributed.hpp.
 
+#include <ATen/ATen.h>  // first: its header check precompiles it (tests/CMakeLists.txt)
 #include <mixprec/trainer/trainer.hpp>
 #include <mixprec/trainer/progress.hpp>
 #include <mixprec/trainer/step_log.hpp>
