@@ -2,9 +2,10 @@
 # [DEFINITIONS ...]) declares one, mixprec_example_group() ends the list.
 #
 # Each is its own program, compiled from its one file as a user copies it, except in the
-# sanitized test build (MIXPREC_TEST_GROUPS with MIXPREC_SANITIZE: ./scripts/test against
-# LibTorch 1.13, preset system-asan). There the files compile as one translation unit, as the unit
-# tests do in groups: the six examples instantiate the same Trainers, CLI11 and LibTorch's inline
+# sanitized test build (MIXPREC_TEST_GROUPS with MIXPREC_SANITIZE and no build checks:
+# ./scripts/test against LibTorch 1.13, preset system-asan). There the files compile as one
+# translation unit, as the unit tests do in groups: the examples (and docs/porting.md's program,
+# tests/CMakeLists.txt) instantiate the same Trainers, CLI11 and LibTorch's inline
 # functions, which one TU generates once (docs/ci.md: 253 s of CPU alone, 70 s together, under
 # ASan + UBSan). The 2.13 test build still compiles each file alone, so that an example that
 # misses an include of its own fails there.
