@@ -1,12 +1,13 @@
-# The examples' programs: mixprec_example_program(<name> <source> [LIBRARIES ...]
-# [DEFINITIONS ...]) declares one, mixprec_example_group() ends the list.
+# The examples' programs: mixprec_example_program(<name> <source> [ALONE] [LIBRARIES ...]
+# [DEFINITIONS ...]) declares one (ALONE: never in the group), mixprec_example_group() ends the
+# list.
 #
 # Each is its own program, compiled from its one file as a user copies it, except in the
 # sanitized test build (MIXPREC_TEST_GROUPS with MIXPREC_SANITIZE and no build checks:
 # ./scripts/test against LibTorch 1.13, preset system-asan). There the files compile as one
 # translation unit, as the unit tests do in groups: the examples (and docs/porting.md's program,
 # tests/CMakeLists.txt) instantiate the same Trainers, CLI11 and LibTorch's inline
-# functions, which one TU generates once (docs/ci.md: 253 s of CPU alone, 70 s together, under
+# functions, which one TU generates once (docs/ci.md: 292 s of CPU alone, 82 s together, under
 # ASan + UBSan). The 2.13 test build still compiles each file alone, so that an example that
 # misses an include of its own fails there.
 #
@@ -24,9 +25,9 @@ if(MIXPREC_TEST_GROUPS AND MIXPREC_SANITIZE AND NOT MIXPREC_BUILD_CHECKS)
 endif()
 
 function(mixprec_example_program name source)
-  cmake_parse_arguments(PARSE_ARGV 2 ARG "" "" "LIBRARIES;DEFINITIONS")
+  cmake_parse_arguments(PARSE_ARGV 2 ARG "ALONE" "" "LIBRARIES;DEFINITIONS")
   cmake_path(ABSOLUTE_PATH source BASE_DIRECTORY ${CMAKE_CURRENT_SOURCE_DIR} NORMALIZE)
-  if(NOT MIXPREC_EXAMPLES_GROUPED)
+  if(ARG_ALONE OR NOT MIXPREC_EXAMPLES_GROUPED)
     add_executable(${name} ${source})
     target_link_libraries(${name} PRIVATE mixprec::mixprec ${ARG_LIBRARIES})
     target_compile_definitions(${name} PRIVATE ${ARG_DEFINITIONS})
