@@ -2,14 +2,14 @@
 # [DEFINITIONS ...]) declares one (ALONE: never in the group), mixprec_example_group() ends the
 # list.
 #
-# Each is its own program, compiled from its one file as a user copies it, except in the
-# sanitized test build (MIXPREC_TEST_GROUPS with MIXPREC_SANITIZE and no build checks:
-# ./scripts/test against LibTorch 1.13, preset system-asan). There the files compile as one
-# translation unit, as the unit tests do in groups: the examples (and docs/porting.md's program,
-# tests/CMakeLists.txt) instantiate the same Trainers, CLI11 and LibTorch's inline
-# functions, which one TU generates once (docs/ci.md: 292 s of CPU alone, 82 s together, under
-# ASan + UBSan). The 2.13 test build still compiles each file alone, so that an example that
-# misses an include of its own fails there.
+# Each is its own program, compiled from its one file as a user copies it, except in
+# ./scripts/test's builds (MIXPREC_TEST_GROUPS: presets test and system-asan). There the files
+# compile as one translation unit, as the unit tests do in groups: the examples (and
+# docs/porting.md's program, tests/CMakeLists.txt) instantiate the same Trainers, CLI11 and
+# LibTorch's inline functions, which one TU generates once (docs/ci.md: 292 s of CPU alone,
+# 82 s together, under ASan + UBSan against 1.13; since round 13 the Clang build against 2.13
+# too). A build without MIXPREC_TEST_GROUPS (preset default: ./scripts/demo's) compiles each
+# file alone, as a user does.
 #
 # How the group keeps each file as written: the generated TU first includes every header the
 # files include (their #include lines, in their order, a quoted one by its absolute path), at
@@ -20,7 +20,7 @@
 # library (all the examples' code: each file's names stay in its namespace).
 
 set(MIXPREC_EXAMPLES_GROUPED OFF)
-if(MIXPREC_TEST_GROUPS AND MIXPREC_SANITIZE AND NOT MIXPREC_BUILD_CHECKS)
+if(MIXPREC_TEST_GROUPS)
   set(MIXPREC_EXAMPLES_GROUPED ON)
 endif()
 

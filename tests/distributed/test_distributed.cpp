@@ -1,9 +1,12 @@
 // Data-parallel training with real processes on loopback: the doctest cases start ranks of this
-// same binary (`--rank-of CASE RANK WORLD DIR`), each over Gloo with a FileStore in DIR, and
-// check their exit codes; each rank asserts its own results and prints what failed.
+// same binary, each over Gloo with a FileStore in a directory of the case's, and check their
+// exit codes; each rank asserts its own results and prints what failed. The ranks are forked
+// from a copy of the process made before any case ran (fork_server.hpp); `--rank-of CASE RANK
+// WORLD DIR` runs one by hand, as they do.
 #include <mixprec/mixprec.hpp>
 #include <mixprec/distributed/process_group.hpp>
 
+#include "fork_server.hpp"
 #include "support.hpp"
 
 #define DOCTEST_CONFIG_IMPLEMENT
@@ -13,7 +16,6 @@
 #include <c10/util/ThreadLocalDebugInfo.h>
 #include <torch/torch.h>
 
-#include <spawn.h>
 #include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -36,7 +38,6 @@
 #include <thread>
 #include <vector>
 
-extern char** environ;
 namespace mp = mixprec;
 using test::identical;
 using test::snapshot;
@@ -2926,14 +2927,23 @@ int run_case(const std::string& name, Rank& r, const std::function<void(Rank&)>&
   return failures == 0 ? 0 : 1;
 }
 
-// A rank of this binary started by the parent, over a FileStore in `dir`.
+// A rank of this binary started by the parent, over a FileStore in `dir`. Its group is
+// gloo_group()'s on loopback but with one worker thread where Gloo starts two: the collectives
+// of these small models are all latency, and on the 2-core CI machine the second thread's
+// wake-ups cost more than it runs (the sharded cases: 56 s instead of 73, 34 s of system time
+// instead of 48; docs/ci.md). The launched ranks (netns_test.sh, the examples' ranks) keep
+// gloo_group() as it is.
 int run_rank(const std::string& name, int rank, int world, const std::string& dir) {
   Rank r{rank, world, dir, {}};
   return run_case(name, r, [&](Rank& x) {
     auto store = c10::make_intrusive<c10d::FileStore>(dir + "/store", world);
     // The rendezvous too must give up on a peer killed before it arrived.
     store->setTimeout(std::chrono::seconds(30));
-    x.group = mp::gloo_group(store, rank, world, std::chrono::seconds(30));
+    mp::detail::ignore_default_sigpipe();  // as gloo_group(): a peer's death is an Error
+    auto options = c10d::ProcessGroupGloo::Options::create(std::chrono::seconds(30));
+    options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1"));
+    options->threads = 1;
+    x.group = c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, world, options);
   });
 }
 
@@ -2946,8 +2956,6 @@ int run_launched(const std::string& name, const std::string& dir) {
 }
 
 // ---------------------------------------------------------------- in the parent
-
-std::string self_path;
 
 struct Outcome {
   int status = -1;  // waitpid status; -1: killed by the parent at the deadline
@@ -2981,18 +2989,9 @@ std::vector<Outcome> run_ranks(const std::string& name, int world,
   std::vector<pid_t> pids;
   for (int rank = 0; rank < world; ++rank) {
     const auto log = (dir / ("rank" + std::to_string(rank) + ".log")).string();
-    posix_spawn_file_actions_t actions;
-    posix_spawn_file_actions_init(&actions);
-    posix_spawn_file_actions_addopen(&actions, 2, log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-    posix_spawn_file_actions_adddup2(&actions, 2, 1);
-    std::vector<std::string> args{self_path, "--rank-of", name, std::to_string(rank),
-                                  std::to_string(world), dir.string()};
-    std::vector<char*> argv;
-    for (auto& a : args) argv.push_back(a.data());
-    argv.push_back(nullptr);
-    pid_t pid = 0;
-    REQUIRE(posix_spawn(&pid, self_path.c_str(), &actions, nullptr, argv.data(), environ) == 0);
-    posix_spawn_file_actions_destroy(&actions);
+    const pid_t pid = test::fork_server::spawn(
+        log, {name, std::to_string(rank), std::to_string(world), dir.string()});
+    REQUIRE_MESSAGE(pid > 0, "could not start rank ", rank, " of ", name);
     pids.push_back(pid);
   }
   std::vector<Outcome> outcomes(static_cast<std::size_t>(world));
@@ -3879,10 +3878,13 @@ TEST_CASE("distributed: LaunchEnvironment reads torchrun's variables, and names 
 }
 
 int main(int argc, char** argv) {
-  self_path = std::filesystem::canonical("/proc/self/exe").string();
   if (argc == 6 && std::string(argv[1]) == "--rank-of") {
     return run_rank(argv[2], std::stoi(argv[3]), std::stoi(argv[4]), argv[5]);
   }
   if (argc == 4 && std::string(argv[1]) == "--launched") return run_launched(argv[2], argv[3]);
+  // Before any case runs: the copy of this process that the ranks are forked from.
+  test::fork_server::start([](const std::vector<std::string>& args) {
+    return run_rank(args.at(0), std::stoi(args.at(1)), std::stoi(args.at(2)), args.at(3));
+  });
   return test::runner::run(argc, argv);
 }
