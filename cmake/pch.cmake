@@ -7,15 +7,14 @@
 # <mixprec/mixprec.hpp> in it as well: on top of LibTorch's header, mixprec's cost a translation
 # unit 13 s of Clang's front end at -O0 (-ftime-trace: 8 s parsing, 6 s instantiating what its
 # inline functions use), and every test, example and benchmark TU includes them; the build took
-# 275 s instead of 355 (docs/ci.md). Not with GCC: its header grew from 645 to 862 MB and the
-# distributed tests' TU took 94 s of CPU instead of 88 (GCC instantiates templates in each TU,
-# not in the header). Its definitions are then
+# 259 s instead of 355 in the cold CI runs (docs/ci.md). Not with GCC: its header grew from 645
+# to 862 MB and the distributed tests' TU took 94 s of CPU instead of 88 (GCC instantiates
+# templates in each TU, not in the header). The header's definitions are then
 # mixprec::distributed's (process_group.hpp tests MIXPREC_C10D_GLOO), which every target that
-# uses the header links too. A target whose own includes are what it checks
-# (PCH_WITHOUT_MIXPREC: the moved headers) and one that links the compiled companion (whose
-# extern templates a header compiled without MIXPREC_PRECOMPILED would leave out) parse
-# LibTorch's header themselves there; off where every program links the companion
-# (MIXPREC_USE_PRECOMPILED).
+# uses it links too. A target whose own includes are what it checks (PCH_WITHOUT_MIXPREC: the
+# moved headers) and one that links the compiled companion (whose extern templates a header
+# compiled without MIXPREC_PRECOMPILED would leave out) parse LibTorch's header themselves
+# there; off where every program links the companion (MIXPREC_USE_PRECOMPILED).
 
 # MIXPREC_USE_PRECOMPILED (OFF): every program of this build links the compiled companion,
 # mixprec::precompiled. Off by default: at -O0 (./scripts/test) a test TU spends little of its
