@@ -2930,9 +2930,9 @@ int run_case(const std::string& name, Rank& r, const std::function<void(Rank&)>&
 // A rank of this binary started by the parent, over a FileStore in `dir`. Its group is
 // gloo_group()'s on loopback but with one worker thread where Gloo starts two: the collectives
 // of these small models are all latency, and on the 2-core CI machine the second thread's
-// wake-ups cost more than it runs (the sharded cases: 56 s instead of 73, 34 s of system time
-// instead of 48; docs/ci.md). The launched ranks (netns_test.sh, the examples' ranks) keep
-// gloo_group() as it is.
+// wake-ups cost more than it runs (the sharded cases against 2.13: 56 s instead of 73, 34 s of
+// system time instead of 48; docs/ci.md). The launched ranks (netns_test.sh, the examples'
+// ranks) keep gloo_group() as it is.
 int run_rank(const std::string& name, int rank, int world, const std::string& dir) {
   Rank r{rank, world, dir, {}};
   return run_case(name, r, [&](Rank& x) {
