@@ -23,6 +23,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cerrno>
 #include <csignal>
 #include <cstdio>
 #include <cstring>
@@ -3883,8 +3884,12 @@ int main(int argc, char** argv) {
   }
   if (argc == 4 && std::string(argv[1]) == "--launched") return run_launched(argv[2], argv[3]);
   // Before any case runs: the copy of this process that the ranks are forked from.
-  test::fork_server::start([](const std::vector<std::string>& args) {
+  const bool started = test::fork_server::start([](const std::vector<std::string>& args) {
     return run_rank(args.at(0), std::stoi(args.at(1)), std::stoi(args.at(2)), args.at(3));
   });
+  if (!started) {
+    std::cerr << "the rank server could not start (" << std::strerror(errno)
+              << "): every case that starts ranks will fail\n";
+  }
   return test::runner::run(argc, argv);
 }
